@@ -1,0 +1,153 @@
+"""Gradient helpers of the loss-scale step: the finiteness check and unscaling.
+
+This is the one module that branches on `keras.backend.backend()`. Each
+function has a portable `keras.ops` meaning; where a backend has a faster way
+to compute the same thing, it is used here and nowhere else.
+
+None of these functions brings a value to the host.
+"""
+
+import keras
+from keras import ops
+
+# Sums of these dtypes cannot overflow for elementwise-finite float16/bfloat16
+# data and only overflow for float32 data near float32's maximum, where the
+# exact check below takes over.
+_WIDE_FLOATS = ("float32", "float64")
+
+
+def _backend():
+    return keras.backend.backend()
+
+
+def dense_values(grad):
+    """The values of a gradient (a `tf.IndexedSlices` contributes its values)."""
+    return getattr(grad, "values", grad) if _is_indexed_slices(grad) else grad
+
+
+def _is_indexed_slices(grad):
+    return type(grad).__name__ == "IndexedSlices"
+
+
+def _exact_all_finite(grads):
+    flags = [ops.all(ops.isfinite(g)) for g in grads]
+    return flags[0] if len(flags) == 1 else ops.all(ops.stack(flags))
+
+
+def all_finite(grads):
+    """Whether every value of every gradient is finite (no inf, no nan).
+
+    On TensorFlow a separate kernel launch per gradient is what costs, so the
+    check reads each gradient once with a plain sum: a sum is finite exactly
+    when no value is inf or nan, except when finite float32 values add up past
+    float32's maximum. Only then (the sum is not finite) does the exact
+    elementwise check run, inside a `cond`, so the answer is always exact and
+    the common case costs one read of each gradient. Under XLA (JAX) the
+    elementwise check fuses into one reduction and is used directly.
+
+    Args:
+        grads: list of gradient tensors; `None` entries are ignored.
+
+    Returns:
+        A boolean scalar tensor.
+    """
+    grads = [dense_values(g) for g in grads if g is not None]
+    if not grads:
+        return ops.convert_to_tensor(True)
+    if _backend() == "jax":
+        return _exact_all_finite(grads)
+    wide = [g for g in grads if keras.backend.standardize_dtype(g.dtype) in _WIDE_FLOATS]
+    narrow = [g for g in grads if keras.backend.standardize_dtype(g.dtype) not in _WIDE_FLOATS]
+    flags = []
+    if narrow:
+        flags.append(_exact_all_finite(narrow))
+    if wide:
+        partial_sums = [ops.cast(ops.sum(g), "float32") for g in wide]
+        total = partial_sums[0]
+        for s in partial_sums[1:]:
+            total = total + s
+        flags.append(
+            ops.cond(
+                ops.isfinite(total),
+                lambda: ops.convert_to_tensor(True),
+                lambda: _exact_all_finite(wide),
+            )
+        )
+    return flags[0] if len(flags) == 1 else ops.logical_and(flags[0], flags[1])
+
+
+def unscale(grads, scale, skip=()):
+    """Divides each gradient by `scale`, in float32.
+
+    Args:
+        grads: list of gradients (`None` entries pass through).
+        scale: float32 scalar tensor.
+        skip: indices of gradients to pass through untouched (variables with
+            `overwrite_with_gradient`, whose "gradient" is a value).
+
+    Returns:
+        The list of unscaled gradients. Gradients of a narrower dtype come
+        back as float32, so that a small gradient is not flushed to zero by the
+        division; the inner optimizer casts them to its variables' dtype.
+    """
+    out = []
+    for i, g in enumerate(grads):
+        if g is None or i in skip:
+            out.append(g)
+        elif _is_indexed_slices(g):
+            import tensorflow as tf
+
+            out.append(
+                tf.IndexedSlices(
+                    _divide_float32(g.values, scale), g.indices, g.dense_shape
+                )
+            )
+        else:
+            out.append(_divide_float32(g, scale))
+    return out
+
+
+def _divide_float32(g, scale):
+    if keras.backend.standardize_dtype(g.dtype) != "float32":
+        g = ops.cast(g, "float32")
+    return ops.divide(g, scale)
+
+
+def torch_unscale_and_check(grads, scale, skip=()):
+    """PyTorch: unscale and check finiteness in one fused kernel.
+
+    Uses the kernel behind `torch.amp.GradScaler.unscale_`
+    (`_amp_foreach_non_finite_check_and_unscale_`): one pass over all
+    gradients of a dtype, the result flag stays on the device. Like
+    `GradScaler.unscale_`, float32 gradients are unscaled in place; others are
+    first copied to float32.
+
+    Returns:
+        `(unscaled_grads, found_inf)` where `found_inf` is a float32 tensor of
+        shape `(1,)` on the gradients' device, 1.0 if any value was inf or nan.
+    """
+    import torch
+
+    scale = scale.value if hasattr(scale, "value") else scale
+    found_inf = torch.zeros((1,), dtype=torch.float32, device=scale.device)
+    inv_scale = torch.reciprocal(scale.reshape((1,)).to(torch.float32))
+    out = list(grads)
+    work = []
+    checks_only = []
+    for i, g in enumerate(grads):
+        if g is None:
+            continue
+        if i in skip:
+            checks_only.append(g)
+            continue
+        if g.dtype != torch.float32:
+            g = g.to(torch.float32)
+            out[i] = g
+        work.append(g)
+    if work:
+        torch._amp_foreach_non_finite_check_and_unscale_(work, found_inf, inv_scale)
+    for g in checks_only:
+        found_inf = torch.maximum(
+            found_inf, torch.logical_not(torch.isfinite(g).all()).to(torch.float32)
+        )
+    return out, found_inf

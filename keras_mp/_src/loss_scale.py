@@ -1,0 +1,87 @@
+"""The loss-scale state machine, written once.
+
+Every execution path of `keras_mp.LossScaleOptimizer` (stateful TensorFlow and
+PyTorch, stateless JAX, distributed) computes the next state with `update`
+below and only stores the result. `update` is a pure function built from
+`keras.ops` selects, so it traces under `tf.function`, XLA and `jax.jit` alike
+and never needs the host to look at a tensor.
+"""
+
+import dataclasses
+from typing import NamedTuple
+
+from keras import ops
+
+
+@dataclasses.dataclass(frozen=True)
+class LossScaleConfig:
+    """The static settings of a loss scale (Python values, never tensors).
+
+    Validation lives in `LossScaleOptimizer.__init__`; this is plain data.
+    """
+
+    dynamic: bool = True
+    dynamic_growth_steps: int = 2000
+    growth_factor: float = 2.0
+    backoff_factor: float = 0.5
+    min_scale: float = 1.0
+    max_scale: float = 2.0**24
+    skip_on_overflow: bool = True
+
+    @property
+    def checks_finite(self):
+        """Whether a step looks at its gradients before applying them."""
+        return self.dynamic or self.skip_on_overflow
+
+
+class LossScaleState(NamedTuple):
+    """The dynamic part: three scalars (tensors or numbers)."""
+
+    scale: object
+    good_steps: object
+    skipped_steps: object
+
+
+def update(state, grads_finite, config):
+    """Returns the state after one step.
+
+    ```
+    if grads_finite:
+        good_steps += 1
+        if dynamic and good_steps == dynamic_growth_steps:
+            scale = min(scale * growth_factor, max_scale)
+            good_steps = 0
+    else:
+        skipped_steps += 1
+        good_steps = 0
+        if dynamic:
+            scale = max(scale * backoff_factor, min_scale)
+    ```
+
+    Written with selects rather than branches: one trace, no host sync.
+
+    Args:
+        state: `LossScaleState` of scalar tensors (float32 scale, integer
+            counters).
+        grads_finite: boolean scalar tensor (or Python bool).
+        config: `LossScaleConfig`.
+
+    Returns:
+        The new `LossScaleState`, with the dtypes of `state`.
+    """
+    scale, good_steps, skipped_steps = state
+    finite = ops.convert_to_tensor(grads_finite, dtype="bool")
+    zero = ops.zeros_like(good_steps)
+    good_steps = ops.where(finite, good_steps + 1, zero)
+    skipped_steps = skipped_steps + ops.cast(
+        ops.logical_not(finite), skipped_steps.dtype
+    )
+    if config.dynamic:
+        grow = ops.logical_and(
+            finite, ops.greater_equal(good_steps, config.dynamic_growth_steps)
+        )
+        grown = ops.minimum(scale * config.growth_factor, config.max_scale)
+        backed_off = ops.maximum(scale * config.backoff_factor, config.min_scale)
+        scale = ops.where(grow, grown, ops.where(finite, scale, backed_off))
+        good_steps = ops.where(grow, zero, good_steps)
+    return LossScaleState(scale, good_steps, skipped_steps)

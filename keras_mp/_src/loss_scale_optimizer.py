@@ -1,0 +1,644 @@
+"""`keras_mp.LossScaleOptimizer`: fixed and dynamic loss scaling."""
+
+import math
+import numbers
+
+import keras
+from keras import ops
+
+from keras_mp._src import backend_ops
+from keras_mp._src.loss_scale import LossScaleConfig
+from keras_mp._src.loss_scale import LossScaleState
+from keras_mp._src.loss_scale import update
+
+_KerasLossScaleOptimizer = keras.optimizers.LossScaleOptimizer
+
+# Arguments of the base optimizer that only make sense on the inner optimizer.
+# Their defaults are accepted (configs saved by older Keras versions carry
+# them); anything else is refused with a pointer to the inner optimizer.
+_INNER_ONLY_ARGUMENTS = {
+    "weight_decay": None,
+    "clipnorm": None,
+    "global_clipnorm": None,
+    "clipvalue": None,
+    "use_ema": False,
+    "ema_momentum": 0.99,
+    "ema_overwrite_frequency": None,
+    "loss_scale_factor": None,
+    "gradient_accumulation_steps": None,
+}
+
+_FLOAT32_MAX = 3.4028234663852886e38
+
+
+@keras.saving.register_keras_serializable(package="keras_mp")
+class LossScaleOptimizer(_KerasLossScaleOptimizer):
+    """An optimizer that scales the loss so float16 gradients do not underflow.
+
+    Small gradients underflow to zero in float16. Multiplying the loss by a
+    scale multiplies every gradient by it too, lifting them into float16's
+    range; the optimizer divides them by the same scale (in float32) before
+    the inner optimizer sees them. A scale that is too large overflows to inf
+    instead, so each step is checked, and a step whose gradients are not finite
+    is skipped: weights, the inner optimizer's slots and `iterations` stay as
+    they were, bit for bit.
+
+    One step, as the state machine (`keras_mp` writes it once, for every
+    backend):
+
+    ```
+    if not (dynamic or skip_on_overflow) or all(isfinite(g) for g in grads):
+        inner_optimizer.apply([g / loss_scale for g in grads])   # float32
+        good_steps += 1
+        if dynamic and good_steps == dynamic_growth_steps:
+            loss_scale = min(loss_scale * growth_factor, max_scale)
+            good_steps = 0
+    else:                                   # the step is skipped
+        skipped_steps += 1
+        good_steps = 0
+        if dynamic:
+            loss_scale = max(loss_scale * backoff_factor, min_scale)
+    ```
+
+    It is a drop-in for `keras.optimizers.LossScaleOptimizer` (and
+    `isinstance` of it, so `compile` never wraps it again); unlike the
+    built-in, it also takes tf.keras 2's `dynamic=False, initial_scale=...`
+    for a fixed scale, and the dynamic scale never falls below `min_scale`.
+
+    Args:
+        inner_optimizer: `keras.optimizers.Optimizer` instance to wrap. Set
+            clipping, weight decay, EMA and gradient accumulation on it: it
+            sees unscaled gradients.
+        dynamic: bool. `True` adjusts the scale as above; `False` keeps
+            `initial_scale` fixed.
+        initial_scale: float > 0. The scale of the first step. A high value
+            is recommended for a dynamic scale: an overflow lowers it at once,
+            growth takes `dynamic_growth_steps` steps. `None` means `2**15`.
+        dynamic_growth_steps: int >= 1. Finite steps in a row before the
+            dynamic scale grows.
+        growth_factor: float > 1. What the scale is multiplied by on growth.
+        backoff_factor: float in (0, 1). What the scale is multiplied by after
+            a non-finite step.
+        min_scale: float > 0. The dynamic scale never goes below this.
+        max_scale: float >= `min_scale`. The dynamic scale never goes above
+            this.
+        skip_on_overflow: bool. Fixed scale only: `False` applies every step
+            without looking at the gradients (no check, no skip).
+        name: string or `None`. The optimizer's name.
+
+    Example:
+
+    >>> import keras, keras_mp
+    >>> opt = keras_mp.LossScaleOptimizer(keras.optimizers.SGD(0.1))
+    >>> float(opt.loss_scale.numpy())
+    32768.0
+
+    Custom training loop (any backend):
+
+    ```python
+    loss = opt.scale_loss(loss)            # inside the gradient tape
+    grads = ...                            # gradients of the scaled loss
+    opt.apply(grads, model.trainable_variables)
+    ```
+
+    Note:
+        - State lives in three optimizer variables, saved and restored with
+          the optimizer: `loss_scale` (float32), `good_steps` and
+          `skipped_steps`. Keras's names `dynamic_scale` and `step_counter`
+          refer to the first two.
+        - The finiteness check and the state update stay on the device: no
+          host synchronisation on TensorFlow and JAX. PyTorch, like
+          `torch.amp.GradScaler`, reads one flag per step to decide whether to
+          run the inner optimizer; it unscales float32 gradients in place, as
+          `GradScaler.unscale_` does.
+        - Keras 3's built-in has no floor: 200 overflows in a row take its
+          scale to 0.0 and the next step divides by zero. Here the scale is
+          clamped to `[min_scale, max_scale]`.
+    """
+
+    def __init__(
+        self,
+        inner_optimizer,
+        dynamic=True,
+        initial_scale=2.0**15,
+        dynamic_growth_steps=2000,
+        *,
+        growth_factor=2.0,
+        backoff_factor=0.5,
+        min_scale=1.0,
+        max_scale=2.0**24,
+        skip_on_overflow=True,
+        name=None,
+        **kwargs,
+    ):
+        _check_inner_only_arguments(kwargs)
+        _check_inner_optimizer(inner_optimizer)
+        if initial_scale is None:
+            initial_scale = 2.0**15
+        config = _validated_config(
+            dynamic=dynamic,
+            initial_scale=initial_scale,
+            dynamic_growth_steps=dynamic_growth_steps,
+            growth_factor=growth_factor,
+            backoff_factor=backoff_factor,
+            min_scale=min_scale,
+            max_scale=max_scale,
+            skip_on_overflow=skip_on_overflow,
+        )
+        if name is not None and not isinstance(name, str):
+            raise TypeError(
+                f"`name` must be a string or None. Received: name={name!r}"
+            )
+        # Keras's built-in __init__ refuses `dynamic=False`; skip it and set up
+        # the base optimizer directly.
+        super(_KerasLossScaleOptimizer, self).__init__(
+            learning_rate=0.0, name=name
+        )
+        self.inner_optimizer = inner_optimizer
+        # The loss is scaled here; scaling it in the inner optimizer as well
+        # would scale it twice.
+        self.inner_optimizer.loss_scale_factor = None
+        self._config = config
+        self.initial_scale = float(initial_scale)
+        self.dynamic_growth_steps = int(dynamic_growth_steps)
+        self._grads_unscaled_by_caller = False
+
+        # The state is created here, not in `build`, so that `loss_scale`
+        # exists (and `scale_loss` works) before the first step.
+        self._state_start = len(self._variables)
+        self.loss_scale = self.add_variable(
+            shape=(),
+            dtype="float32",
+            initializer=keras.initializers.Constant(self.initial_scale),
+            aggregation="none",
+            name="loss_scale",
+        )
+        self.good_steps = self.add_variable(
+            shape=(),
+            dtype="int",
+            initializer="zeros",
+            aggregation="none",
+            name="good_steps",
+        )
+        self.skipped_steps = self.add_variable(
+            shape=(),
+            dtype="int",
+            initializer="zeros",
+            aggregation="none",
+            name="skipped_steps",
+        )
+
+    # -- configuration, read-only ------------------------------------------
+
+    @property
+    def dynamic(self):
+        return self._config.dynamic
+
+    @property
+    def growth_factor(self):
+        return self._config.growth_factor
+
+    @property
+    def backoff_factor(self):
+        return self._config.backoff_factor
+
+    @property
+    def min_scale(self):
+        return self._config.min_scale
+
+    @property
+    def max_scale(self):
+        return self._config.max_scale
+
+    @property
+    def skip_on_overflow(self):
+        return self._config.skip_on_overflow
+
+    # Keras's built-in names for the same variables.
+    @property
+    def dynamic_scale(self):
+        return self.loss_scale
+
+    @property
+    def step_counter(self):
+        return self.good_steps
+
+    # -- building ------------------------------------------------------------
+
+    @keras.src.utils.tracking.no_automatic_dependency_tracking
+    def build(self, var_list):
+        self.inner_optimizer.build(var_list)
+        # The base optimizer's build (not the Keras built-in's, which would
+        # create a second set of state variables).
+        super(_KerasLossScaleOptimizer, self).build(var_list)
+
+    def _state_variables(self):
+        return self._variables[self._state_start : self._state_start + 3]
+
+    def _state(self):
+        return LossScaleState(*(v.value for v in self._state_variables()))
+
+    def _skip_indices(self, trainable_variables):
+        return {
+            i
+            for i, v in enumerate(trainable_variables)
+            if self._overwrite_variable_with_gradient(v)
+        }
+
+    # -- the step ---------------------------------------------------------------
+
+    def apply(self, grads, trainable_variables=None):
+        """Applies one step of scaled gradients (see the class docstring).
+
+        Args:
+            grads: list of gradients of the scaled loss, one per variable.
+            trainable_variables: list of variables; optional once built.
+        """
+        grads = list(grads)
+        if not self.built:
+            if trainable_variables is None:
+                raise ValueError(
+                    "When passing `grads` without `trainable_variables`, the "
+                    "optimizer must already be built. Call "
+                    "`optimizer.build(trainable_variables)` first."
+                )
+            with keras.name_scope(self.name, caller=self):
+                self.build(list(trainable_variables))
+            self.built = True
+        if trainable_variables is None:
+            trainable_variables = self._trainable_variables
+        trainable_variables = list(trainable_variables)
+        unscaled_by_caller = self._grads_unscaled_by_caller
+        self._grads_unscaled_by_caller = False
+
+        backend = keras.backend.backend()
+        if backend == "jax":
+            self._jax_apply(grads, trainable_variables, unscaled_by_caller)
+        elif backend == "torch":
+            self._torch_apply(grads, trainable_variables, unscaled_by_caller)
+        else:
+            self._tf_apply(grads, trainable_variables, unscaled_by_caller)
+
+    def _unscaled(self, grads, trainable_variables, scale, unscaled_by_caller):
+        if unscaled_by_caller:
+            return grads
+        return backend_ops.unscale(
+            grads, scale, skip=self._skip_indices(trainable_variables)
+        )
+
+    def _finite(self, grads):
+        if not self._config.checks_finite:
+            return ops.convert_to_tensor(True)
+        return backend_ops.all_finite(grads)
+
+    def _assign_state(self, new_state):
+        for variable, value in zip(self._state_variables(), new_state):
+            variable.assign(value)
+
+    def _tf_apply(self, grads, trainable_variables, unscaled_by_caller):
+        import tensorflow as tf
+
+        if tf.distribute.in_cross_replica_context():
+            raise ValueError("apply() must be called in a replica context.")
+        state = self._state()
+        finite = self._finite(grads)
+
+        def apply_inner():
+            self.inner_optimizer.apply(
+                self._unscaled(
+                    grads, trainable_variables, state.scale, unscaled_by_caller
+                ),
+                trainable_variables,
+            )
+
+        if not self._config.checks_finite:
+            apply_inner()
+        elif tf.__internal__.distribute.strategy_supports_no_merge_call():
+            tf.cond(finite, apply_inner, tf.no_op)
+        else:
+            # The inner optimizer calls `merge_call`, which a `cond` in a
+            # replica context cannot contain: take the decision in the
+            # cross-replica context, as Keras's built-in does.
+            def cross_replica(distribution, finite):
+                finite = distribution.experimental_local_results(finite)[0]
+
+                def apply_fn():
+                    distribution.extended.call_for_each_replica(apply_inner)
+
+                tf.cond(finite, apply_fn, tf.no_op)
+
+            tf.distribute.get_replica_context().merge_call(
+                cross_replica, args=(finite,)
+            )
+        self._assign_state(update(state, finite, self._config))
+
+    def _torch_apply(self, grads, trainable_variables, unscaled_by_caller):
+        import torch
+
+        with torch.no_grad():
+            state = self._state()
+            if unscaled_by_caller:
+                unscaled = grads
+                finite = self._finite(grads)
+            else:
+                unscaled, found_inf = backend_ops.torch_unscale_and_check(
+                    grads,
+                    state.scale,
+                    skip=self._skip_indices(trainable_variables),
+                )
+                finite = found_inf[0] == 0
+            if not self._config.checks_finite:
+                finite = torch.tensor(True)
+                self.inner_optimizer.apply(unscaled, trainable_variables)
+            elif bool(finite):  # The one host sync, as GradScaler.step.
+                self.inner_optimizer.apply(unscaled, trainable_variables)
+            self._assign_state(update(state, finite, self._config))
+
+    def _jax_apply(self, grads, trainable_variables, unscaled_by_caller):
+        # JAX cannot assign variables inside `lax.cond`: run the stateless
+        # step on the current values and assign the results.
+        if unscaled_by_caller:
+            raise ValueError(
+                "`get_unscaled_gradients` followed by `apply` is a tf.keras 2 "
+                "pattern that is supported on TensorFlow and PyTorch only. On "
+                "JAX, pass the gradients of the scaled loss to `apply`."
+            )
+        built_variables = self._trainable_variables
+        if [id(v) for v in trainable_variables] != [id(v) for v in built_variables]:
+            raise ValueError(
+                "On the JAX backend, `apply` needs the same list of variables "
+                "the optimizer was built with. Received "
+                f"{len(trainable_variables)} variables; the optimizer was "
+                f"built with {len(built_variables)}."
+            )
+        new_trainable, new_optimizer = self.stateless_apply(
+            [v.value for v in self.variables],
+            grads,
+            [v.value for v in built_variables],
+        )
+        for variable, value in zip(built_variables, new_trainable):
+            variable.assign(value)
+        for variable, value in zip(self.variables, new_optimizer):
+            variable.assign(value)
+
+    def stateless_apply(self, optimizer_variables, grads, trainable_variables):
+        """Stateless step: returns new trainable and optimizer variable values.
+
+        Used by `model.fit` on JAX (under `jax.jit`); the decision to skip is a
+        `lax.cond` on the device.
+        """
+        if keras.backend.backend() == "tensorflow":
+            raise ValueError(
+                "stateless_apply is not supported with the TensorFlow backend "
+                "(as it is incompatible with tf.distribute). Use `apply`."
+            )
+        if not self.built:
+            raise ValueError(
+                f"To call `stateless_apply`, {self.__class__.__name__} "
+                "must be built (i.e. its variables must have been created). "
+                "You can build it via `optimizer.build(trainable_variables)`."
+            )
+        optimizer_variables = list(optimizer_variables)
+        trainable_variables = list(trainable_variables)
+        if len(optimizer_variables) != len(self.variables):
+            raise ValueError(
+                "Argument `optimizer_variables` must be a list of tensors "
+                f"corresponding 1:1 to {self.__class__.__name__}().variables. "
+                f"Received list with length {len(optimizer_variables)}, but "
+                f"expected {len(self.variables)} variables."
+            )
+        own_count = len(self._variables)
+        own_values = optimizer_variables[:own_count]
+        inner_values = optimizer_variables[own_count:]
+        start = self._state_start
+        state = LossScaleState(*own_values[start : start + 3])
+        finite = self._finite(grads)
+
+        def apply_inner():
+            unscaled = self._unscaled(
+                grads, self._trainable_variables, state.scale, False
+            )
+            new_trainable, new_inner = self.inner_optimizer.stateless_apply(
+                inner_values, unscaled, trainable_variables
+            )
+            return list(new_trainable), list(new_inner)
+
+        def skip():
+            return list(trainable_variables), list(inner_values)
+
+        if self._config.checks_finite:
+            new_trainable, new_inner = ops.cond(finite, apply_inner, skip)
+        else:
+            new_trainable, new_inner = apply_inner()
+        new_state = update(state, finite, self._config)
+        new_own = list(own_values)
+        for i, (variable, value) in enumerate(
+            zip(self._state_variables(), new_state)
+        ):
+            new_own[start + i] = ops.cast(value, variable.dtype)
+        return new_trainable, new_own + new_inner
+
+    def check_finite(self, grads):
+        """Boolean scalar tensor: whether all gradients are finite."""
+        return backend_ops.all_finite(grads)
+
+    # -- loss scaling and the tf.keras 2 names ----------------------------------
+
+    def scale_loss(self, loss):
+        """Multiplies the loss by the current loss scale.
+
+        Args:
+            loss: the loss tensor.
+
+        Returns:
+            `loss * loss_scale`, in float32 (or wider, if `loss` is wider).
+        """
+        return ops.multiply(loss, self.loss_scale)
+
+    def get_scaled_loss(self, loss):
+        """tf.keras 2 name of `scale_loss`; also takes a callable loss."""
+        if callable(loss):
+            return lambda: self.scale_loss(loss())
+        return self.scale_loss(loss)
+
+    def get_unscaled_gradients(self, grads):
+        """tf.keras 2: divides gradients by the loss scale, in float32.
+
+        The next `apply` / `apply_gradients` then takes its gradients as
+        already unscaled (it still checks them and updates the scale), so the
+        tf.keras 2 custom loop works unchanged:
+
+        ```python
+        scaled_loss = opt.get_scaled_loss(loss)
+        grads = opt.get_unscaled_gradients(tape.gradient(scaled_loss, vars))
+        opt.apply_gradients(zip(grads, vars))
+        ```
+
+        Returns:
+            Unscaled gradients, each in its original dtype.
+        """
+        grads = list(grads)
+        unscaled = backend_ops.unscale(grads, self.loss_scale.value)
+        self._grads_unscaled_by_caller = True
+        return [
+            u if g is None else ops.cast(u, backend_ops.dense_values(g).dtype)
+            if not type(u).__name__ == "IndexedSlices"
+            else u
+            for g, u in zip(grads, unscaled)
+        ]
+
+    # -- serialization ----------------------------------------------------------
+
+    def get_config(self):
+        # Not `super().get_config()`: the base arguments belong to the inner
+        # optimizer.
+        return {
+            "name": self.name,
+            "inner_optimizer": keras.saving.serialize_keras_object(
+                self.inner_optimizer
+            ),
+            "dynamic": self._config.dynamic,
+            "initial_scale": self.initial_scale,
+            "dynamic_growth_steps": self.dynamic_growth_steps,
+            "growth_factor": self._config.growth_factor,
+            "backoff_factor": self._config.backoff_factor,
+            "min_scale": self._config.min_scale,
+            "max_scale": self._config.max_scale,
+            "skip_on_overflow": self._config.skip_on_overflow,
+        }
+
+    @classmethod
+    def from_config(cls, config, custom_objects=None):
+        config = dict(config)
+        inner_optimizer = keras.saving.deserialize_keras_object(
+            config.pop("inner_optimizer"), custom_objects=custom_objects
+        )
+        return cls(inner_optimizer, **config)
+
+
+def _check_inner_only_arguments(kwargs):
+    for arg_name, default in _INNER_ONLY_ARGUMENTS.items():
+        if arg_name not in kwargs:
+            continue
+        value = kwargs.pop(arg_name)
+        if value is not default and value != default:
+            raise ValueError(
+                f"LossScaleOptimizer does not support `{arg_name}`. "
+                f"Instead, set `{arg_name}` on the `inner_optimizer`. "
+                f"Received: {arg_name}={value!r}"
+            )
+    if kwargs:
+        raise ValueError(
+            "LossScaleOptimizer does not support arguments: "
+            f"`{'`, `'.join(kwargs.keys())}`."
+        )
+
+
+def _check_inner_optimizer(inner_optimizer):
+    if isinstance(inner_optimizer, _KerasLossScaleOptimizer):
+        raise ValueError(
+            "`inner_optimizer` is already a LossScaleOptimizer; wrapping it "
+            "again would scale the loss twice. Pass its `inner_optimizer`, or "
+            "use it as it is. Received: "
+            f"inner_optimizer={type(inner_optimizer).__name__}"
+        )
+    if not isinstance(inner_optimizer, keras.optimizers.Optimizer):
+        raise TypeError(
+            "`inner_optimizer` must be a `keras.optimizers.Optimizer` instance "
+            "(e.g. `keras.optimizers.Adam()`). Received: "
+            f"inner_optimizer={inner_optimizer!r} of type "
+            f"{type(inner_optimizer).__name__}"
+        )
+
+
+def _is_number(value):
+    return isinstance(value, numbers.Real) and not isinstance(value, bool)
+
+
+def _check_bool(name, value, hint=""):
+    if not isinstance(value, bool):
+        raise TypeError(
+            f"`{name}` must be a bool (True or False).{hint} "
+            f"Received: {name}={value!r}"
+        )
+
+
+def _check_positive_float32(name, value, what=""):
+    if not _is_number(value) or not (0 < value <= _FLOAT32_MAX):
+        raise ValueError(
+            f"`{name}` must be a finite number greater than 0{what}. "
+            f"Received: {name}={value!r}"
+        )
+
+
+def _validated_config(
+    *,
+    dynamic,
+    initial_scale,
+    dynamic_growth_steps,
+    growth_factor,
+    backoff_factor,
+    min_scale,
+    max_scale,
+    skip_on_overflow,
+):
+    _check_bool(
+        "dynamic",
+        dynamic,
+        hint=(
+            " The second positional argument is `dynamic`, as in tf.keras 2; "
+            "pass `initial_scale=` by keyword."
+            if _is_number(dynamic)
+            else ""
+        ),
+    )
+    _check_bool("skip_on_overflow", skip_on_overflow)
+    _check_positive_float32("initial_scale", initial_scale)
+    if (
+        not isinstance(dynamic_growth_steps, numbers.Integral)
+        or isinstance(dynamic_growth_steps, bool)
+        or dynamic_growth_steps < 1
+    ):
+        raise ValueError(
+            "`dynamic_growth_steps` must be an integer >= 1. "
+            f"Received: dynamic_growth_steps={dynamic_growth_steps!r}"
+        )
+    if not _is_number(growth_factor) or not (1 < growth_factor <= _FLOAT32_MAX):
+        raise ValueError(
+            "`growth_factor` must be a finite number greater than 1. "
+            f"Received: growth_factor={growth_factor!r}"
+        )
+    if not _is_number(backoff_factor) or not (0 < backoff_factor < 1):
+        raise ValueError(
+            "`backoff_factor` must be a number in the open interval (0, 1). "
+            f"Received: backoff_factor={backoff_factor!r}"
+        )
+    _check_positive_float32("min_scale", min_scale)
+    _check_positive_float32("max_scale", max_scale)
+    if min_scale > max_scale:
+        raise ValueError(
+            "`min_scale` must be less than or equal to `max_scale`. "
+            f"Received: min_scale={min_scale!r}, max_scale={max_scale!r}"
+        )
+    if dynamic and not skip_on_overflow:
+        raise ValueError(
+            "`skip_on_overflow=False` is only allowed with a fixed scale "
+            "(`dynamic=False`): a dynamic scale adjusts on overflowing steps, "
+            "which it must detect. Received: dynamic=True, "
+            "skip_on_overflow=False"
+        )
+    if dynamic and not (min_scale <= initial_scale <= max_scale):
+        raise ValueError(
+            "With `dynamic=True`, `initial_scale` must lie in "
+            f"[min_scale, max_scale] = [{min_scale!r}, {max_scale!r}]. "
+            f"Received: initial_scale={initial_scale!r}"
+        )
+    return LossScaleConfig(
+        dynamic=dynamic,
+        dynamic_growth_steps=int(dynamic_growth_steps),
+        growth_factor=float(growth_factor),
+        backoff_factor=float(backoff_factor),
+        min_scale=float(min_scale),
+        max_scale=float(max_scale),
+        skip_on_overflow=skip_on_overflow,
+    )
