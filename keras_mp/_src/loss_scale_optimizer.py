@@ -314,7 +314,7 @@ class LossScaleOptimizer(_KerasLossScaleOptimizer):
         if not self._config.checks_finite:
             apply_inner()
         elif tf.__internal__.distribute.strategy_supports_no_merge_call():
-            tf.cond(finite, apply_inner, tf.no_op)
+            tf.cond(finite, apply_inner, lambda: None)
         else:
             # The inner optimizer calls `merge_call`, which a `cond` in a
             # replica context cannot contain: take the decision in the
@@ -325,7 +325,7 @@ class LossScaleOptimizer(_KerasLossScaleOptimizer):
                 def apply_fn():
                     distribution.extended.call_for_each_replica(apply_inner)
 
-                tf.cond(finite, apply_fn, tf.no_op)
+                tf.cond(finite, apply_fn, lambda: None)
 
             tf.distribute.get_replica_context().merge_call(
                 cross_replica, args=(finite,)

@@ -1,0 +1,112 @@
+"""`model.fit` with keras_mp's LossScaleOptimizer, with a NaN batch injected.
+
+The batch's step is skipped (weights bit-identical to the step before), the
+scale backs off, training goes on, and the run ends where a run without the
+bad batch ends (compared against that run, not against itself).
+"""
+
+import keras
+import numpy as np
+import pytest
+
+import keras_mp
+
+BACKEND = keras.backend.backend()
+BATCH = 16
+BAD_BATCH = 2
+
+MODES = ["eager_or_default", "jit"] if BACKEND != "torch" else ["eager_or_default"]
+
+
+def _numpy(x):
+    return np.asarray(keras.ops.convert_to_numpy(x))
+
+
+def _data(with_nan):
+    rng = np.random.default_rng(0)
+    x = rng.normal(size=(6 * BATCH, 8)).astype("float32")
+    y = (x[:, 0] + x[:, 1] > 0).astype("int32")
+    if with_nan:
+        x[BAD_BATCH * BATCH + 3, 4] = np.nan
+    return x, y
+
+
+def _model(policy):
+    keras.config.set_dtype_policy(policy)
+    keras.utils.set_random_seed(7)
+    model = keras.Sequential(
+        [
+            keras.Input((8,)),
+            keras.layers.Dense(16, activation="relu"),
+            keras.layers.Dense(2),
+            keras.layers.Activation("softmax", dtype="float32"),
+        ]
+    )
+    keras.config.set_dtype_policy("float32")
+    return model
+
+
+class WeightsPerBatch(keras.callbacks.Callback):
+    def on_train_batch_end(self, batch, logs=None):
+        self.seen = getattr(self, "seen", []) + [
+            [np.array(w) for w in self.model.get_weights()]
+        ]
+
+
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("policy", ["float32", "mixed_float16"])
+def test_fit_skips_a_nan_batch_and_loses_nothing(mode, policy):
+    x, y = _data(with_nan=True)
+    model = _model(policy)
+    optimizer = keras_mp.LossScaleOptimizer(
+        keras.optimizers.Adam(1e-2), initial_scale=2.0**10, dynamic_growth_steps=100
+    )
+    model.compile(
+        optimizer=optimizer,
+        loss="sparse_categorical_crossentropy",
+        jit_compile=(mode == "jit"),
+    )
+    assert model.optimizer is optimizer
+    recorder = WeightsPerBatch()
+    model.fit(x, y, batch_size=BATCH, epochs=1, shuffle=False, verbose=0, callbacks=[recorder])
+
+    before, after = recorder.seen[BAD_BATCH - 1], recorder.seen[BAD_BATCH]
+    for b, a in zip(before, after):
+        np.testing.assert_array_equal(a, b)
+    for weights in recorder.seen[BAD_BATCH + 1 :]:
+        assert all(np.all(np.isfinite(w)) for w in weights)
+    assert not np.array_equal(recorder.seen[-1][0], after[0])  # training went on
+    assert int(_numpy(optimizer.skipped_steps)) == 1
+    assert int(_numpy(optimizer.iterations)) == 5
+    assert float(_numpy(optimizer.loss_scale)) == 2.0**9
+
+    # The same run without the bad batch gives the same weights.
+    x_clean, y_clean = _data(with_nan=False)
+    keep = np.ones(len(x_clean), bool)
+    keep[BAD_BATCH * BATCH : (BAD_BATCH + 1) * BATCH] = False
+    reference = _model(policy)
+    reference.compile(
+        optimizer=keras_mp.LossScaleOptimizer(
+            keras.optimizers.Adam(1e-2), initial_scale=2.0**10, dynamic_growth_steps=100
+        ),
+        loss="sparse_categorical_crossentropy",
+        jit_compile=(mode == "jit"),
+    )
+    # The scale differs after the skip (2**9 vs 2**10): a power of two, so
+    # the unscaled gradients, and hence the weights, agree to rounding.
+    reference.fit(x_clean[keep], y_clean[keep], batch_size=BATCH, epochs=1, shuffle=False, verbose=0)
+    for got, want in zip(model.get_weights(), reference.get_weights()):
+        np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_fit_grows_the_scale(mode):
+    x, y = _data(with_nan=False)
+    model = _model("mixed_float16")
+    optimizer = keras_mp.LossScaleOptimizer(
+        keras.optimizers.SGD(0.01), initial_scale=4.0, dynamic_growth_steps=2
+    )
+    model.compile(optimizer=optimizer, loss="sparse_categorical_crossentropy", jit_compile=(mode == "jit"))
+    model.fit(x, y, batch_size=BATCH, epochs=1, verbose=0)
+    assert float(_numpy(optimizer.loss_scale)) == 32.0  # 6 steps: 3 growths
+    assert int(_numpy(optimizer.good_steps)) == 0

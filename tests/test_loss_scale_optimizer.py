@@ -1,0 +1,449 @@
+"""LossScaleOptimizer: construction, skipping, unscaling, interplay with the
+inner optimizer's features, serialization, custom training loops."""
+
+import keras
+import numpy as np
+import pytest
+from hypothesis import given
+from hypothesis import settings
+from hypothesis import strategies as st
+from keras import ops
+
+import keras_mp
+from keras_mp._src import backend_ops
+
+BACKEND = keras.backend.backend()
+
+
+def _numpy(x):
+    return np.asarray(keras.ops.convert_to_numpy(x))
+
+
+def _tensor(values, dtype="float32"):
+    return ops.convert_to_tensor(np.asarray(values, dtype=dtype))
+
+
+def _snapshot(optimizer, variables):
+    return [_numpy(v).copy() for v in list(variables) + list(optimizer.variables)]
+
+
+# -- the public surface ---------------------------------------------------------
+
+
+def test_public_names():
+    assert set(keras_mp.__all__) == {"LossScaleOptimizer"}
+    for name in keras_mp.__all__:
+        assert getattr(keras_mp, name) is not None
+
+
+def test_is_a_keras_loss_scale_optimizer():
+    optimizer = keras_mp.LossScaleOptimizer(keras.optimizers.SGD())
+    assert isinstance(optimizer, keras.optimizers.LossScaleOptimizer)
+    assert isinstance(optimizer, keras.optimizers.Optimizer)
+
+
+def test_compile_does_not_wrap_twice():
+    keras.config.set_dtype_policy("mixed_float16")
+    model = keras.Sequential([keras.Input((3,)), keras.layers.Dense(2)])
+    optimizer = keras_mp.LossScaleOptimizer(keras.optimizers.SGD())
+    model.compile(optimizer=optimizer, loss="mse")
+    assert model.optimizer is optimizer
+
+
+def test_keras_attribute_names_alias_the_state():
+    optimizer = keras_mp.LossScaleOptimizer(
+        keras.optimizers.SGD(), initial_scale=8.0, dynamic_growth_steps=3
+    )
+    assert optimizer.dynamic_scale is optimizer.loss_scale
+    assert optimizer.step_counter is optimizer.good_steps
+    assert optimizer.initial_scale == 8.0
+    assert optimizer.dynamic_growth_steps == 3
+    names = [v.path.split("/")[-1] for v in optimizer.variables]
+    for name in ("loss_scale", "good_steps", "skipped_steps"):
+        assert name in names
+    assert float(_numpy(optimizer.scale_loss(2.0))) == 16.0
+
+
+def test_learning_rate_is_the_inner_one():
+    inner = keras.optimizers.SGD(0.25)
+    optimizer = keras_mp.LossScaleOptimizer(inner)
+    assert float(_numpy(optimizer.learning_rate)) == 0.25
+    optimizer.learning_rate = 0.5
+    assert float(_numpy(inner.learning_rate)) == 0.5
+
+
+# -- bad arguments -------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "kwargs, error, fragment",
+    [
+        ({"initial_scale": 0.0}, ValueError, "initial_scale=0.0"),
+        ({"initial_scale": -1.0}, ValueError, "initial_scale=-1.0"),
+        ({"initial_scale": float("inf")}, ValueError, "initial_scale=inf"),
+        ({"growth_factor": 1.0}, ValueError, "growth_factor=1.0"),
+        ({"backoff_factor": 1.0}, ValueError, "backoff_factor=1.0"),
+        ({"backoff_factor": 0.0}, ValueError, "backoff_factor=0.0"),
+        ({"min_scale": 4.0, "max_scale": 2.0, "initial_scale": 3.0}, ValueError, "min_scale=4.0, max_scale=2.0"),
+        ({"min_scale": 0.0}, ValueError, "min_scale=0.0"),
+        ({"dynamic_growth_steps": 0}, ValueError, "dynamic_growth_steps=0"),
+        ({"dynamic_growth_steps": 2.5}, ValueError, "dynamic_growth_steps=2.5"),
+        ({"skip_on_overflow": False}, ValueError, "skip_on_overflow=False"),
+        ({"dynamic": "yes"}, TypeError, "dynamic='yes'"),
+        ({"dynamic": 1024.0}, TypeError, "pass `initial_scale=` by keyword"),
+        ({"initial_scale": 2.0**30}, ValueError, "initial_scale=1073741824.0"),
+        ({"clipnorm": 1.0}, ValueError, "set `clipnorm` on the `inner_optimizer`"),
+        ({"foo": 1}, ValueError, "arguments: `foo`"),
+    ],
+)
+def test_bad_arguments_are_named(kwargs, error, fragment):
+    with pytest.raises(error, match=f"Received:.*{_escape(fragment)}|{_escape(fragment)}") as info:
+        keras_mp.LossScaleOptimizer(keras.optimizers.SGD(), **kwargs)
+    assert fragment in str(info.value)
+
+
+def _escape(text):
+    import re
+
+    return re.escape(text)
+
+
+def test_bad_inner_optimizer():
+    with pytest.raises(TypeError, match="`inner_optimizer` must be a `keras.optimizers.Optimizer`.*Received: inner_optimizer='adam'"):
+        keras_mp.LossScaleOptimizer("adam")
+    inner = keras_mp.LossScaleOptimizer(keras.optimizers.SGD())
+    with pytest.raises(ValueError, match="already a LossScaleOptimizer"):
+        keras_mp.LossScaleOptimizer(inner)
+    with pytest.raises(ValueError, match="already a LossScaleOptimizer"):
+        keras_mp.LossScaleOptimizer(keras.optimizers.LossScaleOptimizer(keras.optimizers.SGD()))
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    value=st.one_of(
+        st.floats(allow_nan=True, allow_infinity=True),
+        st.integers(-5, 5),
+        st.text(max_size=3),
+        st.none(),
+        st.booleans(),
+    ),
+    argument=st.sampled_from(
+        ["initial_scale", "growth_factor", "backoff_factor", "min_scale", "max_scale", "dynamic_growth_steps"]
+    ),
+)
+def test_any_value_is_accepted_or_refused_by_name(argument, value):
+    """Bad input never gets through silently and is always named."""
+    try:
+        optimizer = keras_mp.LossScaleOptimizer(keras.optimizers.SGD(), **{argument: value})
+    except (ValueError, TypeError) as e:
+        assert f"`{argument}`" in str(e) or argument in str(e)
+        return
+    config = optimizer.get_config()
+    if argument == "initial_scale" and value is None:
+        assert config["initial_scale"] == 2.0**15
+        return
+    assert config[argument] == value
+    assert optimizer.min_scale <= optimizer.initial_scale <= optimizer.max_scale
+    assert optimizer.growth_factor > 1 and 0 < optimizer.backoff_factor < 1
+
+
+# -- skipping ------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("bad", [np.inf, -np.inf, np.nan])
+def test_skipped_step_leaves_everything_bit_identical(bad):
+    optimizer = keras_mp.LossScaleOptimizer(keras.optimizers.Adam(0.1), initial_scale=4.0)
+    variables = [keras.Variable(np.arange(4, dtype=np.float32)), keras.Variable(np.ones((2, 2), np.float32))]
+    optimizer.build(variables)
+    good = [_tensor([1.0, -2.0, 3.0, 4.0]), _tensor([[1.0, 2.0], [3.0, 4.0]])]
+    optimizer.apply(good, variables)  # non-zero slots
+    before = _snapshot(optimizer, variables)
+    iterations = int(_numpy(optimizer.iterations))
+    optimizer.apply([good[0], _tensor([[1.0, bad], [3.0, 4.0]])], variables)
+    after = _snapshot(optimizer, variables)
+    state_paths = {"loss_scale", "good_steps", "skipped_steps"}
+    names = [v.path.split("/")[-1] for v in variables] + [v.path.split("/")[-1] for v in optimizer.variables]
+    for name, b, a in zip(names, before, after):
+        if name not in state_paths:
+            np.testing.assert_array_equal(a, b, err_msg=name)
+    assert int(_numpy(optimizer.iterations)) == iterations
+    assert int(_numpy(optimizer.skipped_steps)) == 1
+    assert float(_numpy(optimizer.loss_scale)) == 2.0
+
+
+def test_fixed_scale_without_skipping_applies_every_step():
+    optimizer = keras_mp.LossScaleOptimizer(
+        keras.optimizers.SGD(1.0), dynamic=False, initial_scale=2.0, skip_on_overflow=False
+    )
+    variable = keras.Variable(np.zeros(2, np.float32))
+    optimizer.apply([_tensor([np.inf, 2.0])], [variable])
+    np.testing.assert_array_equal(_numpy(variable), [-np.inf, -1.0])
+    assert int(_numpy(optimizer.iterations)) == 1
+    assert int(_numpy(optimizer.skipped_steps)) == 0
+    assert float(_numpy(optimizer.loss_scale)) == 2.0
+
+
+def test_fixed_scale_skips_but_keeps_the_scale():
+    optimizer = keras_mp.LossScaleOptimizer(keras.optimizers.SGD(1.0), dynamic=False, initial_scale=1024.0)
+    variable = keras.Variable(np.zeros(2, np.float32))
+    for _ in range(3):
+        optimizer.apply([_tensor([np.nan, 2.0])], [variable])
+    optimizer.apply([_tensor([1024.0, 2048.0])], [variable])
+    np.testing.assert_array_equal(_numpy(variable), [-1.0, -2.0])
+    assert float(_numpy(optimizer.loss_scale)) == 1024.0
+    assert int(_numpy(optimizer.skipped_steps)) == 3
+
+
+# -- the finiteness check --------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "grads, expected",
+    [
+        ([[1.0, 2.0], [3.0]], True),
+        ([[3e38, 3e38], [3e38]], True),  # the sum overflows, the values do not
+        ([[1.0, np.inf], [3.0]], False),
+        ([[1.0, 2.0], [-np.inf]], False),
+        ([[np.nan, 2.0], [3.0]], False),
+        ([[np.inf, -np.inf], [3.0]], False),  # the sum would be nan anyway
+    ],
+)
+@pytest.mark.parametrize("dtype", ["float32", "float16"])
+def test_all_finite_is_exact(grads, expected, dtype):
+    if dtype == "float16":
+        grads = [[min(v, 6e4) if np.isfinite(v) else v for v in g] for g in grads]
+    tensors = [_tensor(g, dtype) for g in grads] + [None]
+    assert bool(_numpy(backend_ops.all_finite(tensors))) is expected
+
+
+def test_all_finite_mixed_dtypes():
+    grads = [_tensor([1.0], "float16"), _tensor([np.inf], "float32")]
+    assert not bool(_numpy(backend_ops.all_finite(grads)))
+    grads = [_tensor([np.inf], "float16"), _tensor([1.0], "float32")]
+    assert not bool(_numpy(backend_ops.all_finite(grads)))
+
+
+# -- unscaling -------------------------------------------------------------------
+
+
+def test_unscaling_is_float32_for_float16_gradients():
+    """A scale above float16's max (65504) must not become inf in the division."""
+    variable = keras.Variable(np.zeros(2, np.float16), dtype="float16")
+    optimizer = keras_mp.LossScaleOptimizer(
+        keras.optimizers.SGD(1.0), initial_scale=2.0**20, max_scale=2.0**24
+    )
+    # The true gradient 2**-10 scaled by 2**20 is 1024, representable in float16.
+    optimizer.apply([_tensor([1024.0, 2048.0], "float16")], [variable])
+    np.testing.assert_array_equal(_numpy(variable), np.array([-(2.0**-10), -(2.0**-9)], np.float16))
+
+
+def test_unscaled_gradient_reaches_clipping():
+    """clipnorm on the inner optimizer sees the unscaled gradient."""
+    inner = keras.optimizers.SGD(1.0, clipnorm=1.0)
+    optimizer = keras_mp.LossScaleOptimizer(inner, initial_scale=2.0**10)
+    variable = keras.Variable(np.zeros(2, np.float32))
+    # Unscaled: [0.3, 0.4], norm 0.5 < 1: no clipping. Scaled: norm 512.
+    optimizer.apply([_tensor([0.3 * 1024, 0.4 * 1024])], [variable])
+    np.testing.assert_allclose(_numpy(variable), [-0.3, -0.4], rtol=1e-6)
+    # Unscaled [3, 4], norm 5: clipped to norm 1.
+    optimizer.apply([_tensor([3.0 * 1024, 4.0 * 1024])], [variable])
+    np.testing.assert_allclose(_numpy(variable), [-0.9, -1.2], rtol=1e-6)
+
+
+@pytest.mark.parametrize(
+    "clip, expected",
+    [({"global_clipnorm": 1.0}, [-0.6, -0.8]), ({"clipvalue": 2.0}, [-2.0, -0.5])],
+)
+def test_other_clipping_sees_unscaled_gradients(clip, expected):
+    optimizer = keras_mp.LossScaleOptimizer(keras.optimizers.SGD(1.0, **clip), initial_scale=256.0)
+    variable = keras.Variable(np.zeros(2, np.float32))
+    grad = [3.0, 0.5] if "clipvalue" in clip else [3.0, 4.0]
+    optimizer.apply([_tensor(np.array(grad) * 256.0)], [variable])
+    np.testing.assert_allclose(_numpy(variable), expected, rtol=1e-6)
+
+
+def test_gradient_accumulation_drops_only_the_bad_micro_batch():
+    inner = keras.optimizers.SGD(1.0, gradient_accumulation_steps=2)
+    optimizer = keras_mp.LossScaleOptimizer(inner, initial_scale=4.0, dynamic_growth_steps=100)
+    variable = keras.Variable(np.zeros(2, np.float32))
+    optimizer.build([variable])
+    optimizer.apply([_tensor([4.0, 8.0])], [variable])  # accumulated: [1, 2]
+    np.testing.assert_array_equal(_numpy(variable), [0.0, 0.0])
+    optimizer.apply([_tensor([np.nan, 8.0])], [variable])  # dropped
+    np.testing.assert_array_equal(_numpy(variable), [0.0, 0.0])
+    # The scale is now 2; this micro-batch is [3, 4] unscaled.
+    optimizer.apply([_tensor([6.0, 8.0])], [variable])
+    np.testing.assert_array_equal(_numpy(variable), [-2.0, -3.0])  # mean of [1,2],[3,4]
+    assert int(_numpy(optimizer.iterations)) == 1
+    assert int(_numpy(optimizer.skipped_steps)) == 1
+
+
+# -- serialization -------------------------------------------------------------
+
+
+def test_config_round_trips_every_argument():
+    inner = keras.optimizers.SGD(learning_rate=0.3, momentum=0.5)
+    arguments = dict(
+        dynamic=True,
+        initial_scale=48.0,
+        dynamic_growth_steps=7,
+        growth_factor=3.0,
+        backoff_factor=0.25,
+        min_scale=2.0,
+        max_scale=1000.0,
+        skip_on_overflow=True,
+        name="my_lso",
+    )
+    optimizer = keras_mp.LossScaleOptimizer(inner, **arguments)
+    restored = keras.saving.deserialize_keras_object(keras.saving.serialize_keras_object(optimizer))
+    assert type(restored) is keras_mp.LossScaleOptimizer
+    config = restored.get_config()
+    for key, value in arguments.items():
+        assert config[key] == value, key
+    assert config["inner_optimizer"]["config"]["momentum"] == 0.5
+    assert restored.get_config() == optimizer.get_config()
+
+    fixed = keras_mp.LossScaleOptimizer(inner, dynamic=False, initial_scale=100.0, skip_on_overflow=False)
+    restored = keras.saving.deserialize_keras_object(keras.saving.serialize_keras_object(fixed))
+    assert restored.get_config() == fixed.get_config()
+    assert restored.dynamic is False and restored.skip_on_overflow is False
+
+
+def test_state_is_saved_with_the_model(tmp_path):
+    model = keras.Sequential([keras.Input((2,)), keras.layers.Dense(1)])
+    optimizer = keras_mp.LossScaleOptimizer(
+        keras.optimizers.SGD(0.01), initial_scale=64.0, dynamic_growth_steps=3
+    )
+    model.compile(optimizer=optimizer, loss="mse")
+    x = np.ones((4, 2), np.float32)
+    model.fit(x, np.ones((4, 1)), batch_size=2, epochs=1, verbose=0)
+    model.fit(np.full((2, 2), np.nan, np.float32), np.ones((2, 1)), verbose=0)
+    path = str(tmp_path / "model.keras")
+    model.save(path)
+    loaded = keras.models.load_model(path)
+    assert isinstance(loaded.optimizer, keras_mp.LossScaleOptimizer)
+    for name in ("loss_scale", "good_steps", "skipped_steps", "iterations"):
+        assert _numpy(getattr(loaded.optimizer, name)) == _numpy(getattr(optimizer, name)), name
+    assert float(_numpy(loaded.optimizer.loss_scale)) == 32.0
+    assert int(_numpy(loaded.optimizer.skipped_steps)) == 1
+
+
+# -- custom training loops -----------------------------------------------------
+
+
+def _loop_model():
+    keras.utils.set_random_seed(0)
+    return keras.Sequential([keras.Input((3,)), keras.layers.Dense(2)])
+
+
+def _loop_data():
+    rng = np.random.default_rng(0)
+    return rng.normal(size=(8, 3)).astype("float32"), rng.normal(size=(8, 2)).astype("float32")
+
+
+def _reference_weights_after_one_sgd_step(x, y):
+    """float64 reference of one SGD(0.1) step on the mean squared error."""
+    model = _loop_model()
+    kernel, bias = (w.astype(np.float64) for w in model.get_weights())
+    error = x @ kernel + bias - y
+    d = 2.0 * error / error.size
+    return [kernel - 0.1 * (x.T @ d), bias - 0.1 * d.sum(0)]
+
+
+def _check_loop_result(model, x, y):
+    expected = _reference_weights_after_one_sgd_step(x, y)
+    for got, want in zip(model.get_weights(), expected):
+        np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.skipif(BACKEND != "tensorflow", reason="tf.GradientTape loop")
+@pytest.mark.parametrize("api", ["keras3", "tf_keras2"])
+@pytest.mark.parametrize("graph", [False, True], ids=["eager", "tf_function"])
+def test_custom_loop_tensorflow(api, graph):
+    import tensorflow as tf
+
+    x, y = _loop_data()
+    model = _loop_model()
+    optimizer = keras_mp.LossScaleOptimizer(keras.optimizers.SGD(0.1), initial_scale=2.0**12)
+
+    def step(x, y):
+        with tf.GradientTape() as tape:
+            loss = tf.reduce_mean(tf.square(model(x) - y))
+            scaled = optimizer.scale_loss(loss) if api == "keras3" else optimizer.get_scaled_loss(loss)
+        grads = tape.gradient(scaled, model.trainable_variables)
+        if api == "keras3":
+            optimizer.apply(grads, model.trainable_variables)
+        else:
+            grads = optimizer.get_unscaled_gradients(grads)
+            optimizer.apply_gradients(zip(grads, model.trainable_variables))
+
+    (tf.function(step) if graph else step)(x, y)
+    _check_loop_result(model, x, y)
+    assert int(_numpy(optimizer.iterations)) == 1
+
+
+@pytest.mark.skipif(BACKEND != "jax", reason="jax.grad loop")
+@pytest.mark.parametrize("jit", [False, True])
+def test_custom_loop_jax_stateless(jit):
+    import jax
+
+    x, y = _loop_data()
+    model = _loop_model()
+    optimizer = keras_mp.LossScaleOptimizer(keras.optimizers.SGD(0.1), initial_scale=2.0**12)
+    optimizer.build(model.trainable_variables)
+
+    def loss_fn(trainable, optimizer_values, x, y):
+        pred, _ = model.stateless_call(trainable, [], x)
+        loss = jax.numpy.mean(jax.numpy.square(pred - y))
+        scale = optimizer_values[[id(v) for v in optimizer.variables].index(id(optimizer.loss_scale))]
+        return loss * scale
+
+    def train_step(trainable, optimizer_values, x, y):
+        grads = jax.grad(loss_fn)(trainable, optimizer_values, x, y)
+        return optimizer.stateless_apply(optimizer_values, grads, trainable)
+
+    step = jax.jit(train_step) if jit else train_step
+    trainable, optimizer_values = step(
+        [v.value for v in model.trainable_variables], [v.value for v in optimizer.variables], x, y
+    )
+    for variable, value in zip(model.trainable_variables, trainable):
+        variable.assign(value)
+    _check_loop_result(model, x, y)
+
+
+@pytest.mark.skipif(BACKEND != "jax", reason="eager apply on JAX")
+def test_custom_loop_jax_apply():
+    import jax
+
+    x, y = _loop_data()
+    model = _loop_model()
+    optimizer = keras_mp.LossScaleOptimizer(keras.optimizers.SGD(0.1), initial_scale=2.0**12)
+
+    def loss_fn(trainable):
+        pred, _ = model.stateless_call(trainable, [], x)
+        return optimizer.scale_loss(jax.numpy.mean(jax.numpy.square(pred - y)))
+
+    grads = jax.grad(loss_fn)([v.value for v in model.trainable_variables])
+    optimizer.apply(grads, model.trainable_variables)
+    _check_loop_result(model, x, y)
+
+
+@pytest.mark.skipif(BACKEND != "torch", reason="loss.backward() loop")
+@pytest.mark.parametrize("api", ["keras3", "tf_keras2"])
+def test_custom_loop_torch(api):
+    import torch
+
+    x, y = _loop_data()
+    model = _loop_model()
+    optimizer = keras_mp.LossScaleOptimizer(keras.optimizers.SGD(0.1), initial_scale=2.0**12)
+    loss = torch.mean(torch.square(model(x) - torch.as_tensor(y)))
+    scaled = optimizer.scale_loss(loss) if api == "keras3" else optimizer.get_scaled_loss(loss)
+    model.zero_grad()
+    scaled.backward()
+    grads = [v.value.grad for v in model.trainable_variables]
+    if api == "keras3":
+        optimizer.apply(grads, model.trainable_variables)
+    else:
+        grads = optimizer.get_unscaled_gradients(grads)
+        optimizer.apply_gradients(zip(grads, model.trainable_variables))
+    _check_loop_result(model, x, y)
