@@ -110,3 +110,21 @@ def test_fit_grows_the_scale(mode):
     model.fit(x, y, batch_size=BATCH, epochs=1, verbose=0)
     assert float(_numpy(optimizer.loss_scale)) == 32.0  # 6 steps: 3 growths
     assert int(_numpy(optimizer.good_steps)) == 0
+
+
+def test_fit_with_embedding_gradients():
+    """Embedding gradients are sparse (tf.IndexedSlices) on TensorFlow."""
+    rng = np.random.default_rng(0)
+    x = rng.integers(0, 50, size=(64, 5))
+    y = (x[:, 0] > 25).astype("int32")
+    keras.utils.set_random_seed(0)
+    model = keras.Sequential(
+        [keras.Input((5,), dtype="int32"), keras.layers.Embedding(50, 8),
+         keras.layers.GlobalAveragePooling1D(), keras.layers.Dense(2, activation="softmax")]
+    )
+    optimizer = keras_mp.LossScaleOptimizer(keras.optimizers.Adam(1e-2), dynamic_growth_steps=2)
+    model.compile(optimizer=optimizer, loss="sparse_categorical_crossentropy")
+    before = model.get_weights()[0].copy()
+    model.fit(x, y, batch_size=16, epochs=1, verbose=0)
+    assert not np.array_equal(model.get_weights()[0], before)
+    assert float(_numpy(optimizer.loss_scale)) == 2.0**17  # 4 finite steps: 2 growths

@@ -447,3 +447,12 @@ def test_custom_loop_torch(api):
         grads = optimizer.get_unscaled_gradients(grads)
         optimizer.apply_gradients(zip(grads, model.trainable_variables))
     _check_loop_result(model, x, y)
+
+
+def test_get_unscaled_gradients_keeps_dtypes():
+    optimizer = keras_mp.LossScaleOptimizer(keras.optimizers.SGD(), initial_scale=2.0**20, max_scale=2.0**24)
+    grads = optimizer.get_unscaled_gradients([_tensor([1024.0], "float16"), _tensor([2.0**21], "float32"), None])
+    assert keras.backend.standardize_dtype(grads[0].dtype) == "float16"
+    assert _numpy(grads[0])[0] == np.float16(2.0**-10)  # divided in float32
+    assert _numpy(grads[1])[0] == 2.0
+    assert grads[2] is None

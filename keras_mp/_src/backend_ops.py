@@ -76,7 +76,7 @@ def all_finite(grads):
     return flags[0] if len(flags) == 1 else ops.logical_and(flags[0], flags[1])
 
 
-def unscale(grads, scale, skip=()):
+def unscale(grads, scale, skip=(), keep_dtype=False):
     """Divides each gradient by `scale`, in float32.
 
     Args:
@@ -99,18 +99,22 @@ def unscale(grads, scale, skip=()):
 
             out.append(
                 tf.IndexedSlices(
-                    _divide_float32(g.values, scale), g.indices, g.dense_shape
+                    _divide_float32(g.values, scale, keep_dtype),
+                    g.indices,
+                    g.dense_shape,
                 )
             )
         else:
-            out.append(_divide_float32(g, scale))
+            out.append(_divide_float32(g, scale, keep_dtype))
     return out
 
 
-def _divide_float32(g, scale):
-    if keras.backend.standardize_dtype(g.dtype) != "float32":
-        g = ops.cast(g, "float32")
-    return ops.divide(g, scale)
+def _divide_float32(g, scale, keep_dtype):
+    dtype = keras.backend.standardize_dtype(g.dtype)
+    if dtype == "float32":
+        return ops.divide(g, scale)
+    unscaled = ops.divide(ops.cast(g, "float32"), scale)
+    return ops.cast(unscaled, dtype) if keep_dtype else unscaled
 
 
 def torch_unscale_and_check(grads, scale, skip=()):

@@ -348,7 +348,7 @@ class LossScaleOptimizer(_KerasLossScaleOptimizer):
                 )
                 finite = found_inf[0] == 0
             if not self._config.checks_finite:
-                finite = torch.tensor(True)
+                finite = True
                 self.inner_optimizer.apply(unscaled, trainable_variables)
             elif bool(finite):  # The one host sync, as GradScaler.step.
                 self.inner_optimizer.apply(unscaled, trainable_variables)
@@ -477,15 +477,11 @@ class LossScaleOptimizer(_KerasLossScaleOptimizer):
         Returns:
             Unscaled gradients, each in its original dtype.
         """
-        grads = list(grads)
-        unscaled = backend_ops.unscale(grads, self.loss_scale.value)
+        unscaled = backend_ops.unscale(
+            list(grads), self.loss_scale.value, keep_dtype=True
+        )
         self._grads_unscaled_by_caller = True
-        return [
-            u if g is None else ops.cast(u, backend_ops.dense_values(g).dtype)
-            if not type(u).__name__ == "IndexedSlices"
-            else u
-            for g, u in zip(grads, unscaled)
-        ]
+        return unscaled
 
     # -- serialization ----------------------------------------------------------
 
