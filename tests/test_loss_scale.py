@@ -29,7 +29,9 @@ def _numpy(x):
     return np.asarray(keras.ops.convert_to_numpy(x))
 
 
-def _run_update(state, finite, config):
+def _run_update(state, finite, config, as_tensor):
+    if as_tensor:
+        finite = ops.convert_to_tensor(finite)
     new = update(
         LossScaleState(
             ops.convert_to_tensor(np.float32(state[0])),
@@ -53,15 +55,18 @@ def _run_update(state, finite, config):
     ],
     ids=["count", "grow", "backoff", "floor", "ceiling"],
 )
-def test_update_dynamic(state, finite, expected):
+@pytest.mark.parametrize("as_tensor", [False, True], ids=["static", "tensor"])
+def test_update_dynamic(state, finite, expected, as_tensor):
+    """Both forms: selects on a tensor, and the folded Python-bool form."""
     config = LossScaleConfig(dynamic_growth_steps=3, min_scale=1.0, max_scale=64.0)
-    assert _run_update(state, finite, config) == expected
+    assert _run_update(state, finite, config, as_tensor) == expected
 
 
+@pytest.mark.parametrize("as_tensor", [False, True], ids=["static", "tensor"])
 @pytest.mark.parametrize("finite", [True, False])
-def test_update_fixed_scale_never_changes(finite):
+def test_update_fixed_scale_never_changes(finite, as_tensor):
     config = LossScaleConfig(dynamic=False, dynamic_growth_steps=1)
-    scale, good, skipped = _run_update((1000.0, 0, 0), finite, config)
+    scale, good, skipped = _run_update((1000.0, 0, 0), finite, config, as_tensor)
     assert scale == 1000.0
     assert (good, skipped) == ((1, 0) if finite else (0, 1))
 

@@ -42,6 +42,25 @@ class LossScaleState(NamedTuple):
     skipped_steps: object
 
 
+def select(pred, on_true, on_false):
+    """`ops.where(pred, on_true(), on_false())`, or one branch if `pred` is static.
+
+    With a Python bool only the chosen branch is built: callers that already
+    know the outcome (inside a `cond` branch, or after PyTorch's one host
+    read) get the specialised transition, a handful of ops, from the same
+    code.
+    """
+    if isinstance(pred, bool):
+        return on_true() if pred else on_false()
+    return ops.where(pred, on_true(), on_false())
+
+
+def _logical_and(a, b_fn):
+    if isinstance(a, bool):
+        return b_fn() if a else False
+    return ops.logical_and(a, b_fn())
+
+
 def update(state, grads_finite, config):
     """Returns the state after one step.
 
@@ -58,30 +77,48 @@ def update(state, grads_finite, config):
             scale = max(scale * backoff_factor, min_scale)
     ```
 
-    Written with selects rather than branches: one trace, no host sync.
+    Written with selects rather than branches: one trace, no host sync. With
+    a Python bool `grads_finite` the selects fold away and only that outcome's
+    ops are built; entries that do not change are returned as the same
+    objects, so callers can skip assigning them.
 
     Args:
         state: `LossScaleState` of scalar tensors (float32 scale, integer
             counters).
-        grads_finite: boolean scalar tensor (or Python bool).
+        grads_finite: boolean scalar tensor, or a Python bool.
         config: `LossScaleConfig`.
 
     Returns:
-        The new `LossScaleState`, with the dtypes of `state`.
+        The new `LossScaleState`.
     """
     scale, good_steps, skipped_steps = state
-    finite = ops.convert_to_tensor(grads_finite, dtype="bool")
-    zero = ops.zeros_like(good_steps)
-    good_steps = ops.where(finite, good_steps + 1, zero)
-    skipped_steps = skipped_steps + ops.cast(
-        ops.logical_not(finite), skipped_steps.dtype
+    finite = (
+        grads_finite
+        if isinstance(grads_finite, bool)
+        else ops.convert_to_tensor(grads_finite, dtype="bool")
+    )
+    def zero():
+        return ops.zeros_like(good_steps)
+
+    good_steps = select(finite, lambda: good_steps + 1, zero)
+    skipped_steps = select(
+        finite, lambda: skipped_steps, lambda: skipped_steps + 1
     )
     if config.dynamic:
-        grow = ops.logical_and(
-            finite, ops.greater_equal(good_steps, config.dynamic_growth_steps)
+        grow = _logical_and(
+            finite,
+            lambda: ops.greater_equal(good_steps, config.dynamic_growth_steps),
         )
-        grown = ops.minimum(scale * config.growth_factor, config.max_scale)
-        backed_off = ops.maximum(scale * config.backoff_factor, config.min_scale)
-        scale = ops.where(grow, grown, ops.where(finite, scale, backed_off))
-        good_steps = ops.where(grow, zero, good_steps)
+        scale = select(
+            grow,
+            lambda: ops.minimum(scale * config.growth_factor, config.max_scale),
+            lambda: select(
+                finite,
+                lambda: scale,
+                lambda: ops.maximum(
+                    scale * config.backoff_factor, config.min_scale
+                ),
+            ),
+        )
+        good_steps = select(grow, zero, lambda: good_steps)
     return LossScaleState(scale, good_steps, skipped_steps)

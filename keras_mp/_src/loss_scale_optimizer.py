@@ -291,9 +291,12 @@ class LossScaleOptimizer(_KerasLossScaleOptimizer):
             return ops.convert_to_tensor(True)
         return backend_ops.all_finite(grads)
 
-    def _assign_state(self, new_state):
-        for variable, value in zip(self._state_variables(), new_state):
-            variable.assign(value)
+    def _assign_state(self, old_state, new_state):
+        for variable, old, new in zip(
+            self._state_variables(), old_state, new_state
+        ):
+            if new is not old:
+                variable.assign(new)
 
     def _tf_apply(self, grads, trainable_variables, unscaled_by_caller):
         import tensorflow as tf
@@ -301,7 +304,6 @@ class LossScaleOptimizer(_KerasLossScaleOptimizer):
         if tf.distribute.in_cross_replica_context():
             raise ValueError("apply() must be called in a replica context.")
         state = self._state()
-        finite = self._finite(grads)
 
         def apply_inner():
             self.inner_optimizer.apply(
@@ -311,26 +313,37 @@ class LossScaleOptimizer(_KerasLossScaleOptimizer):
                 trainable_variables,
             )
 
-        if not self._config.checks_finite:
+        def on_finite():
             apply_inner()
-        elif tf.__internal__.distribute.strategy_supports_no_merge_call():
-            tf.cond(finite, apply_inner, lambda: None)
-        else:
-            # The inner optimizer calls `merge_call`, which a `cond` in a
-            # replica context cannot contain: take the decision in the
-            # cross-replica context, as Keras's built-in does.
-            def cross_replica(distribution, finite):
-                finite = distribution.experimental_local_results(finite)[0]
+            self._assign_state(state, update(state, True, self._config))
 
-                def apply_fn():
-                    distribution.extended.call_for_each_replica(apply_inner)
+        def on_overflow():
+            self._assign_state(state, update(state, False, self._config))
 
-                tf.cond(finite, apply_fn, lambda: None)
+        if not self._config.checks_finite:
+            on_finite()
+            return
+        finite = self._finite(grads)
+        if tf.__internal__.distribute.strategy_supports_no_merge_call():
+            # Inside each branch the outcome is known, so `update` builds
+            # only that outcome's few ops.
+            tf.cond(finite, on_finite, on_overflow)
+            return
+        # The inner optimizer calls `merge_call`, which a `cond` in a replica
+        # context cannot contain: take the decision in the cross-replica
+        # context, as Keras's built-in does.
+        def cross_replica(distribution, finite):
+            finite = distribution.experimental_local_results(finite)[0]
 
-            tf.distribute.get_replica_context().merge_call(
-                cross_replica, args=(finite,)
-            )
-        self._assign_state(update(state, finite, self._config))
+            def apply_fn():
+                distribution.extended.call_for_each_replica(apply_inner)
+
+            tf.cond(finite, apply_fn, lambda: None)
+
+        tf.distribute.get_replica_context().merge_call(
+            cross_replica, args=(finite,)
+        )
+        self._assign_state(state, update(state, finite, self._config))
 
     def _torch_apply(self, grads, trainable_variables, unscaled_by_caller):
         import torch
@@ -339,20 +352,21 @@ class LossScaleOptimizer(_KerasLossScaleOptimizer):
             state = self._state()
             if unscaled_by_caller:
                 unscaled = grads
-                finite = self._finite(grads)
             else:
                 unscaled, found_inf = backend_ops.torch_unscale_and_check(
                     grads,
                     state.scale,
                     skip=self._skip_indices(trainable_variables),
                 )
-                finite = found_inf[0] == 0
             if not self._config.checks_finite:
                 finite = True
+            elif unscaled_by_caller:
+                finite = bool(self._finite(grads))  # The one host sync.
+            else:
+                finite = not bool(found_inf)  # The one host sync, as GradScaler.
+            if finite:
                 self.inner_optimizer.apply(unscaled, trainable_variables)
-            elif bool(finite):  # The one host sync, as GradScaler.step.
-                self.inner_optimizer.apply(unscaled, trainable_variables)
-            self._assign_state(update(state, finite, self._config))
+            self._assign_state(state, update(state, finite, self._config))
 
     def _jax_apply(self, grads, trainable_variables, unscaled_by_caller):
         # JAX cannot assign variables inside `lax.cond`: run the stateless
@@ -412,31 +426,32 @@ class LossScaleOptimizer(_KerasLossScaleOptimizer):
         inner_values = optimizer_variables[own_count:]
         start = self._state_start
         state = LossScaleState(*own_values[start : start + 3])
-        finite = self._finite(grads)
 
-        def apply_inner():
+        def own_values_for(new_state):
+            new_own = list(own_values)
+            for i, (variable, value) in enumerate(
+                zip(self._state_variables(), new_state)
+            ):
+                new_own[start + i] = ops.cast(value, variable.dtype)
+            return new_own
+
+        def on_finite():
             unscaled = self._unscaled(
                 grads, self._trainable_variables, state.scale, False
             )
             new_trainable, new_inner = self.inner_optimizer.stateless_apply(
                 inner_values, unscaled, trainable_variables
             )
-            return list(new_trainable), list(new_inner)
+            new_own = own_values_for(update(state, True, self._config))
+            return list(new_trainable), new_own + list(new_inner)
 
-        def skip():
-            return list(trainable_variables), list(inner_values)
+        def on_overflow():
+            new_own = own_values_for(update(state, False, self._config))
+            return list(trainable_variables), new_own + list(inner_values)
 
-        if self._config.checks_finite:
-            new_trainable, new_inner = ops.cond(finite, apply_inner, skip)
-        else:
-            new_trainable, new_inner = apply_inner()
-        new_state = update(state, finite, self._config)
-        new_own = list(own_values)
-        for i, (variable, value) in enumerate(
-            zip(self._state_variables(), new_state)
-        ):
-            new_own[start + i] = ops.cast(value, variable.dtype)
-        return new_trainable, new_own + new_inner
+        if not self._config.checks_finite:
+            return on_finite()
+        return ops.cond(self._finite(grads), on_finite, on_overflow)
 
     def check_finite(self, grads):
         """Boolean scalar tensor: whether all gradients are finite."""
