@@ -84,7 +84,7 @@ def _steady_state_timer(keras):
     return SteadyStateTimer
 
 
-def run_one_backend(rounds, steps, batch, policies=POLICIES, model_names=MODELS):
+def run_one_backend(rounds, steps, batch, policies=POLICIES, model_names=MODELS, jit_compile="auto"):
     import numpy as np
     import keras
 
@@ -113,6 +113,7 @@ def run_one_backend(rounds, steps, batch, policies=POLICIES, model_names=MODELS)
                     optimizer=optimizer,
                     loss="sparse_categorical_crossentropy",
                     auto_scale_loss=False,
+                    jit_compile=jit_compile,
                 )
                 if x is None:
                     # Size the epoch to the configuration's speed: float16 on
@@ -135,7 +136,8 @@ def run_one_backend(rounds, steps, batch, policies=POLICIES, model_names=MODELS)
             med = {v: statistics.median(t) for v, t in times.items()}
             results.append(
                 (
-                    keras.backend.backend(),
+                    keras.backend.backend()
+                    + (" (XLA)" if models["plain"].jit_compile and keras.backend.backend() == "tensorflow" else ""),
                     model_name,
                     policy,
                     med["plain"] * 1e3,
@@ -177,6 +179,10 @@ def main():
     parser.add_argument("--batch", type=int, default=64)
     parser.add_argument("--policies", nargs="+", default=list(POLICIES), choices=POLICIES)
     parser.add_argument("--models", nargs="+", default=list(MODELS), choices=MODELS)
+    parser.add_argument(
+        "--jit-compile", default="auto", choices=["auto", "true", "false"],
+        help="as `compile(jit_compile=...)`; `auto` is graph mode for TF on a CPU, XLA on a GPU",
+    )
     args = parser.parse_args()
     if args.all:
         print(HEADER)
@@ -185,13 +191,15 @@ def main():
             out = subprocess.run(
                 [sys.executable, __file__, "--rounds", str(args.rounds),
                  "--steps", str(args.steps), "--batch", str(args.batch),
-                 "--policies", *args.policies, "--models", *args.models],
+                 "--policies", *args.policies, "--models", *args.models,
+                 "--jit-compile", args.jit_compile],
                 env=env, capture_output=True, text=True, check=True,
             ).stdout
             print("\n".join(l for l in out.splitlines() if l.startswith(f"| {backend}")), flush=True)
         return
     print(HEADER)
-    for r in run_one_backend(args.rounds, args.steps, args.batch, args.policies, args.models):
+    jit = {"auto": "auto", "true": True, "false": False}[args.jit_compile]
+    for r in run_one_backend(args.rounds, args.steps, args.batch, args.policies, args.models, jit):
         print(_row(r), flush=True)
 
 
