@@ -1,8 +1,7 @@
 """Gradient helpers of the loss-scale step: the finiteness check and unscaling.
 
-This is the one module that branches on `keras.backend.backend()`. Each
-function has a portable `keras.ops` meaning; where a backend has a faster way
-to compute the same thing, it is used here and nowhere else.
+Each function has a portable `keras.ops` meaning; where a backend has a faster
+way to compute the same thing, it is chosen here and nowhere else.
 
 None of these functions brings a value to the host.
 """

@@ -1,10 +1,10 @@
 """`keras_mp.LossScaleOptimizer`: fixed and dynamic loss scaling."""
 
-import math
 import numbers
 
 import keras
 from keras import ops
+from keras.src.utils import tracking
 
 from keras_mp._src import backend_ops
 from keras_mp._src.loss_scale import LossScaleConfig
@@ -225,7 +225,7 @@ class LossScaleOptimizer(_KerasLossScaleOptimizer):
 
     # -- building ------------------------------------------------------------
 
-    @keras.src.utils.tracking.no_automatic_dependency_tracking
+    @tracking.no_automatic_dependency_tracking
     def build(self, var_list):
         self.inner_optimizer.build(var_list)
         # The base optimizer's build (not the Keras built-in's, which would
