@@ -62,9 +62,7 @@ def all_finite(grads):
         flags.append(_exact_all_finite(narrow))
     if wide:
         partial_sums = [ops.cast(ops.sum(g), "float32") for g in wide]
-        total = partial_sums[0]
-        for s in partial_sums[1:]:
-            total = total + s
+        total = _add_all(partial_sums)
         flags.append(
             ops.cond(
                 ops.isfinite(total),
@@ -73,6 +71,19 @@ def all_finite(grads):
             )
         )
     return flags[0] if len(flags) == 1 else ops.logical_and(flags[0], flags[1])
+
+
+def _add_all(tensors):
+    if len(tensors) == 1:
+        return tensors[0]
+    if _backend() == "tensorflow":
+        import tensorflow as tf
+
+        return tf.add_n(tensors)  # One graph op instead of a chain.
+    total = tensors[0]
+    for t in tensors[1:]:
+        total = total + t
+    return total
 
 
 def unscale(grads, scale, skip=(), keep_dtype=False):
