@@ -1,12 +1,33 @@
 """keras_mp: mixed-precision training for Keras 3.
 
 The public API, in full (implementation lives in `keras_mp._src`):
+
+- `LossScaleOptimizer`: fixed and dynamic loss scaling, skip on overflow.
+- `apply_amp(model, level, dtype, ...)`: per-layer dtype policies for the
+  precision levels O0-O3 (`LEVELS`), from `ALLOW_LIST` / `DENY_LIST`.
+- `to_float(layer, dtype)`: manual mixed precision for a layer and its
+  sublayers.
+- `precision_summary(model)`: who computes in what, and why.
 """
 
+from keras_mp._src.levels import HALF_DTYPES
+from keras_mp._src.levels import LEVELS
 from keras_mp._src.loss_scale_optimizer import LossScaleOptimizer
+from keras_mp._src.policies import ALLOW_LIST
+from keras_mp._src.policies import DENY_LIST
+from keras_mp._src.policies import apply_amp
+from keras_mp._src.policies import precision_summary
+from keras_mp._src.policies import to_float
 
 __version__ = "0.1.0"
 
 __all__ = [
+    "ALLOW_LIST",
+    "DENY_LIST",
+    "HALF_DTYPES",
+    "LEVELS",
     "LossScaleOptimizer",
+    "apply_amp",
+    "precision_summary",
+    "to_float",
 ]

@@ -28,6 +28,17 @@ def _is_indexed_slices(grad):
     return type(grad).__name__ == "IndexedSlices"
 
 
+def _in_tf_xla_context():
+    if _backend() != "tensorflow":
+        return False
+    try:
+        from tensorflow.python.framework import ops as tf_ops
+        from tensorflow.python.ops import control_flow_util
+    except ImportError:  # A TensorFlow without these internals: graph form.
+        return False
+    return control_flow_util.GraphOrParentsInXlaContext(tf_ops.get_default_graph())
+
+
 def _exact_all_finite(grads):
     flags = [ops.all(ops.isfinite(g)) for g in grads]
     return flags[0] if len(flags) == 1 else ops.all(ops.stack(flags))
@@ -41,8 +52,10 @@ def all_finite(grads):
     when no value is inf or nan, except when finite float32 values add up past
     float32's maximum. Only then (the sum is not finite) does the exact
     elementwise check run, inside a `cond`, so the answer is always exact and
-    the common case costs one read of each gradient. Under XLA (JAX) the
-    elementwise check fuses into one reduction and is used directly.
+    the common case costs one read of each gradient. Under XLA (JAX, and
+    TensorFlow with `jit_compile=True`) the elementwise check fuses into one
+    reduction and is used directly: there a second `cond` would only fence
+    off fusion.
 
     Args:
         grads: list of gradient tensors; `None` entries are ignored.
@@ -53,7 +66,7 @@ def all_finite(grads):
     grads = [dense_values(g) for g in grads if g is not None]
     if not grads:
         return ops.convert_to_tensor(True)
-    if _backend() == "jax":
+    if _backend() == "jax" or _in_tf_xla_context():
         return _exact_all_finite(grads)
     wide = [g for g in grads if keras.backend.standardize_dtype(g.dtype) in _WIDE_FLOATS]
     narrow = [g for g in grads if keras.backend.standardize_dtype(g.dtype) not in _WIDE_FLOATS]

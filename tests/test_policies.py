@@ -1,0 +1,224 @@
+"""Precision levels as per-layer dtype policies: apply_amp, to_float, summary."""
+
+import keras
+import numpy as np
+import pytest
+from hypothesis import given
+from hypothesis import settings
+from hypothesis import strategies as st
+
+import keras_mp
+
+BACKEND = keras.backend.backend()
+
+
+def _policies(model):
+    return {layer.name: layer.dtype_policy.name for layer in model._flatten_layers(include_self=False)}
+
+
+def _cnn():
+    keras.utils.set_random_seed(0)
+    return keras.Sequential(
+        [
+            keras.Input((8, 8, 1)),
+            keras.layers.Conv2D(4, 3, name="conv"),
+            keras.layers.BatchNormalization(name="bn"),
+            keras.layers.ReLU(name="relu"),
+            keras.layers.Flatten(name="flatten"),
+            keras.layers.Dense(16, name="hidden"),
+            keras.layers.LayerNormalization(name="ln"),
+            keras.layers.Dense(3, name="logits"),
+            keras.layers.Softmax(name="probs"),
+        ],
+        name="cnn",
+    )
+
+
+EXPECTED = {
+    # level: policies of conv, bn, relu, flatten, hidden, ln, logits, probs (output)
+    "O0": ["float32"] * 8,
+    "O1": ["mixed_H", "float32", "float32", "float32", "mixed_H", "float32", "mixed_H", "float32"],
+    "O2": ["mixed_H", "float32", "mixed_H", "mixed_H", "mixed_H", "float32", "mixed_H", "float32"],
+    "O3": ["H", "H", "H", "H", "H", "H", "H", "float32"],
+}
+NAMES = ["conv", "bn", "relu", "flatten", "hidden", "ln", "logits", "probs"]
+
+
+@pytest.mark.parametrize("half", ["float16", "bfloat16"])
+@pytest.mark.parametrize("level", ["O0", "O1", "O2", "O3"])
+@pytest.mark.parametrize("built", [False, True], ids=["unbuilt", "built"])
+def test_levels_set_the_table_policies(level, half, built):
+    model = _cnn()
+    if built:
+        model(np.zeros((1, 8, 8, 1), "float32"))
+    assert keras_mp.apply_amp(model, level, half) is model
+    expected = [p.replace("H", half) for p in EXPECTED[level]]
+    assert [_policies(model)[n] for n in NAMES] == expected
+    out = model(np.random.default_rng(0).normal(size=(2, 8, 8, 1)).astype("float32"))
+    assert keras.backend.standardize_dtype(out.dtype) == "float32"
+    for layer in model.layers:
+        for variable in layer.weights:
+            assert variable.dtype == layer.dtype_policy.variable_dtype, (layer.name, variable.path)
+
+
+def test_o3_keep_batchnorm_fp32():
+    model = keras_mp.apply_amp(_cnn(), "O3", keep_batchnorm_fp32=True)
+    assert _policies(model)["bn"] == "float32"
+    assert _policies(model)["ln"] == "float16"
+
+
+def test_o3_converts_a_built_model_in_place():
+    model = _cnn()
+    x = np.random.default_rng(1).normal(size=(4, 8, 8, 1)).astype("float32")
+    reference = keras.ops.convert_to_numpy(model(x))
+    variables = list(model.weights)
+    values = [np.asarray(v) for v in variables]
+    same = keras_mp.apply_amp(model, "O3", "float16")
+    assert same is model
+    assert all(a is b for a, b in zip(model.weights, variables))  # same objects
+    for variable, value in zip(model.weights, values):
+        if variable.path.startswith("cnn/probs"):
+            continue
+        assert variable.dtype == "float16", variable.path
+        np.testing.assert_array_equal(np.asarray(variable), value.astype(np.float16))
+    out = keras.ops.convert_to_numpy(model(x))
+    assert out.dtype == np.float32
+    np.testing.assert_allclose(out, reference, atol=2e-2)
+    # And back to float32 variables.
+    keras_mp.apply_amp(model, "O0")
+    assert all(v.dtype == "float32" for v in model.weights)
+
+
+@pytest.mark.parametrize("built", [False, True], ids=["unbuilt", "built"])
+def test_o3_model_trains(built):
+    model = _cnn()
+    if built:
+        model(np.zeros((1, 8, 8, 1), "float32"))
+    keras_mp.apply_amp(model, "O3", "bfloat16")
+    model.compile(optimizer=keras.optimizers.SGD(0.01), loss="sparse_categorical_crossentropy")
+    x = np.random.default_rng(2).normal(size=(8, 8, 8, 1)).astype("float32")
+    y = np.arange(8) % 3
+    before = [np.asarray(w, np.float32) for w in model.get_weights()]
+    model.fit(x, y, epochs=1, batch_size=4, verbose=0)
+    after = [np.asarray(w, np.float32) for w in model.get_weights()]
+    conv_kernel = 0
+    assert not np.array_equal(after[conv_kernel], before[conv_kernel])
+    assert all(np.all(np.isfinite(w)) for w in after)
+
+
+def _attention_model():
+    inputs = keras.Input((5, 8))
+    attended = keras.layers.MultiHeadAttention(2, 4, name="mha")(inputs, inputs)
+    pooled = keras.layers.GlobalAveragePooling1D(name="pool")(attended)
+    inner = keras.Sequential([keras.Input((8,)), keras.layers.Dense(8, name="inner_dense")], name="inner")
+    outputs = keras.layers.Dense(2, name="head")(inner(pooled))
+    return keras.Model(inputs, outputs, name="outer")
+
+
+@pytest.mark.parametrize("built", [False, True], ids=["unbuilt", "built"])
+def test_nested_and_composite_layers(built):
+    model = _attention_model()
+    if built:
+        model(np.zeros((1, 5, 8), "float32"))
+    keras_mp.apply_amp(model, "O1")
+    mha = model.get_layer("mha")
+    sub = {type(l).__name__ for l in mha._flatten_layers(include_self=False)}
+    assert "EinsumDense" in sub and "Softmax" in sub
+    for layer in mha._flatten_layers(include_self=False):
+        expected = "mixed_float16" if isinstance(layer, keras.layers.EinsumDense) else "float32"
+        assert layer.dtype_policy.name == expected, layer.name
+    assert mha.dtype_policy.name == "mixed_float16"
+    assert model.get_layer("inner").get_layer("inner_dense").dtype_policy.name == "mixed_float16"
+    assert model.get_layer("head").dtype_policy.name == "float32"  # model output
+    keras_mp.apply_amp(model, "O2")
+    assert mha._softmax.dtype_policy.name == "float32"
+    assert model.get_layer("pool").dtype_policy.name == "mixed_float16"
+    out = model(np.ones((2, 5, 8), "float32"))
+    assert keras.backend.standardize_dtype(out.dtype) == "float32"
+
+
+def test_subclassed_model_and_rnn():
+    class Net(keras.Model):
+        def __init__(self):
+            super().__init__()
+            self.lstm = keras.layers.LSTM(4)
+            self.norm = keras.layers.LayerNormalization()
+            self.out = keras.layers.Dense(2)
+
+        def call(self, x):
+            return self.out(self.norm(self.lstm(x)))
+
+    model = Net()
+    keras_mp.apply_amp(model, "O1")
+    assert model.lstm.dtype_policy.name == "mixed_float16"
+    model(np.zeros((2, 3, 4), "float32"))  # builds under the policies
+    assert model.lstm.cell.dtype_policy.name == "mixed_float16"
+    assert model.norm.dtype_policy.name == "float32"
+
+
+def test_allow_and_deny_extend_the_lists():
+    model = _cnn()
+    keras_mp.apply_amp(model, "O1", allow=["relu", keras.layers.Flatten])
+    assert _policies(model)["relu"] == "mixed_float16"
+    assert _policies(model)["flatten"] == "mixed_float16"
+    keras_mp.apply_amp(model, "O2", deny=[keras.layers.Conv2D, "hidden"])
+    assert _policies(model)["conv"] == "float32"
+    assert _policies(model)["hidden"] == "float32"
+    assert _policies(model)["relu"] == "mixed_float16"
+
+
+def test_to_float_sets_a_layer_and_its_sublayers():
+    model = _attention_model()
+    keras_mp.to_float(model.get_layer("mha"), "bfloat16")
+    for layer in model.get_layer("mha")._flatten_layers(include_self=True):
+        assert layer.dtype_policy.name == "mixed_bfloat16"
+    assert model.get_layer("head").dtype_policy.name == "float32"
+    keras_mp.to_float(model.get_layer("mha"), "float32")
+    assert model.get_layer("mha")._softmax.dtype_policy.name == "float32"
+
+
+def test_precision_summary_rows_and_text():
+    model = keras_mp.apply_amp(_cnn(), "O2")
+    summary = keras_mp.precision_summary(model)
+    rows = {r["layer"].split("/")[-1]: r for r in summary.rows}
+    assert rows["bn"]["compute_dtype"] == "float32"
+    assert rows["bn"]["rule"] == "O2 deny-list"
+    assert rows["conv"]["compute_dtype"] == "float16"
+    assert rows["conv"]["variable_dtype"] == "float32"
+    assert rows["probs"]["rule"] == "model output: float32"
+    for name in NAMES:
+        assert name in summary
+    printed = []
+    keras_mp.precision_summary(model, print_fn=printed.append)
+    assert printed == [summary]
+
+
+@pytest.mark.parametrize(
+    "call, error, fragment",
+    [
+        (lambda m: keras_mp.apply_amp(m, "O4"), ValueError, "level='O4'"),
+        (lambda m: keras_mp.apply_amp(m, "O2", "float64"), ValueError, "dtype='float64'"),
+        (lambda m: keras_mp.apply_amp("model"), TypeError, "model='model'"),
+        (lambda m: keras_mp.apply_amp(m, allow=[3]), TypeError, "allow=[3]"),
+        (lambda m: keras_mp.apply_amp(m, keep_batchnorm_fp32="yes"), TypeError, "keep_batchnorm_fp32='yes'"),
+        (lambda m: keras_mp.to_float(m, "int8"), ValueError, "dtype='int8'"),
+        (lambda m: keras_mp.precision_summary(None), TypeError, "model=None"),
+    ],
+)
+def test_bad_input_is_named(call, error, fragment):
+    with pytest.raises(error) as info:
+        call(_cnn())
+    assert fragment in str(info.value)
+    assert "Received" in str(info.value)
+
+
+@settings(max_examples=40, deadline=None)
+@given(level=st.one_of(st.text(max_size=4), st.integers(), st.none()), dtype=st.one_of(st.text(max_size=9), st.none()))
+def test_any_level_and_dtype_is_accepted_or_named(level, dtype):
+    model = keras.Sequential([keras.Input((2,)), keras.layers.Dense(2)])
+    try:
+        keras_mp.apply_amp(model, level, dtype)
+    except ValueError as e:
+        assert "`level`" in str(e) or "`dtype`" in str(e)
+        return
+    assert str(level).upper() in keras_mp.LEVELS and dtype in keras_mp.HALF_DTYPES
