@@ -8,8 +8,12 @@ The public API, in full (implementation lives in `keras_mp._src`):
 - `to_float(layer, dtype)`: manual mixed precision for a layer and its
   sublayers.
 - `precision_summary(model)`: who computes in what, and why.
+- `compile(model, ..., amp_level=...)`; `import keras_mp` also adds the amp
+  keywords to `keras.Model.compile` (and changes nothing else).
 """
 
+from keras_mp._src.compile import compile
+from keras_mp._src.compile import install as _install_compile_keywords
 from keras_mp._src.levels import HALF_DTYPES
 from keras_mp._src.levels import LEVELS
 from keras_mp._src.loss_scale_optimizer import LossScaleOptimizer
@@ -21,6 +25,8 @@ from keras_mp._src.policies import to_float
 
 __version__ = "0.1.0"
 
+_install_compile_keywords()
+
 __all__ = [
     "ALLOW_LIST",
     "DENY_LIST",
@@ -28,6 +34,7 @@ __all__ = [
     "LEVELS",
     "LossScaleOptimizer",
     "apply_amp",
+    "compile",
     "precision_summary",
     "to_float",
 ]

@@ -33,7 +33,7 @@ def _snapshot(optimizer, variables):
 def test_public_names():
     assert set(keras_mp.__all__) == {
         "ALLOW_LIST", "DENY_LIST", "HALF_DTYPES", "LEVELS", "LossScaleOptimizer",
-        "apply_amp", "precision_summary", "to_float",
+        "apply_amp", "compile", "precision_summary", "to_float",
     }
     for name in keras_mp.__all__:
         assert getattr(keras_mp, name) is not None

@@ -1,0 +1,201 @@
+"""`compile(amp_level=...)`: one keyword for mixed precision.
+
+`import keras_mp` adds `amp_level`, `amp_dtype`, `loss_scale` and
+`keep_batchnorm_fp32` to `keras.Model.compile`. Without them, `compile` is
+Keras's own, called with exactly the arguments it was given.
+"""
+
+import functools
+import inspect
+import numbers
+
+import keras
+from keras.src.trainers.trainer import Trainer
+
+from keras_mp._src.levels import LEVELS
+from keras_mp._src.levels import check_half_dtype
+from keras_mp._src.levels import get_level
+from keras_mp._src.loss_scale_optimizer import LossScaleOptimizer
+from keras_mp._src.policies import apply_amp
+
+AMP_ARGUMENTS = ("amp_level", "amp_dtype", "loss_scale", "keep_batchnorm_fp32")
+_DEFAULT = "default"
+
+_keras_compile = Trainer.compile
+_keras_compile_signature = inspect.signature(_keras_compile)
+
+
+def pick_auto_level(backend=None):
+    """(level, dtype, reason) for `amp_level="auto"` on this machine.
+
+    - A GPU with tensor cores (compute capability >= 7.0): O2 in float16,
+      with dynamic loss scaling; bfloat16 where the GPU has it natively (>= 8.0)
+      is as fast and needs no scaling, but float16 is the common baseline.
+    - A CPU with native bfloat16 instructions (AVX512_BF16 or AMX) on the
+      TensorFlow or PyTorch backend: O2 in bfloat16 (both use oneDNN bf16
+      kernels there). JAX's CPU backend emulates bfloat16 and runs slower.
+    - Otherwise O0: half precision would not pay.
+    """
+    backend = backend or keras.backend.backend()
+    capability = _gpu_compute_capability(backend)
+    if capability is not None:
+        if capability >= (7, 0):
+            return "O2", "float16", f"GPU with tensor cores (compute capability {capability[0]}.{capability[1]})"
+        return "O0", "float16", f"GPU without tensor cores (compute capability {capability[0]}.{capability[1]})"
+    flags = _cpu_flags()
+    if backend in ("tensorflow", "torch") and flags & {"avx512_bf16", "amx_bf16"}:
+        return "O2", "bfloat16", f"CPU with native bfloat16 ({', '.join(sorted(flags & {'avx512_bf16', 'amx_bf16'}))}) on {backend}"
+    return "O0", "float16", f"CPU without a half precision that pays on {backend}"
+
+
+def _gpu_compute_capability(backend):
+    try:
+        if backend == "torch":
+            import torch
+
+            if torch.cuda.is_available():
+                return tuple(torch.cuda.get_device_capability(0))
+        elif backend == "jax":
+            import jax
+
+            gpus = [d for d in jax.devices() if d.platform == "gpu"]
+            if gpus:
+                major, minor = str(gpus[0].compute_capability).split(".")
+                return int(major), int(minor)
+        elif backend == "tensorflow":
+            import tensorflow as tf
+
+            gpus = tf.config.list_physical_devices("GPU")
+            if gpus:
+                details = tf.config.experimental.get_device_details(gpus[0])
+                return tuple(details.get("compute_capability", (0, 0)))
+    except Exception:  # No usable GPU runtime: treat as a CPU machine.
+        return None
+    return None
+
+
+def _cpu_flags():
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("flags"):
+                    return set(line.split(":", 1)[1].split())
+    except OSError:
+        pass
+    return set()
+
+
+def _check_amp_arguments(amp_level, amp_dtype, loss_scale, keep_batchnorm_fp32):
+    if amp_level != "auto":
+        get_level(amp_level)  # raises a clear ValueError
+    if amp_dtype is not _DEFAULT:
+        check_half_dtype(amp_dtype, "amp_dtype")
+    if not (
+        loss_scale is None
+        or loss_scale is _DEFAULT
+        or loss_scale == "dynamic"
+        or (
+            isinstance(loss_scale, numbers.Real)
+            and not isinstance(loss_scale, bool)
+            and 0 < loss_scale < float("inf")
+        )
+    ):
+        raise ValueError(
+            '`loss_scale` must be "dynamic", a positive number (a fixed '
+            f"scale) or None. Received: loss_scale={loss_scale!r}"
+        )
+    if keep_batchnorm_fp32 is not None and not isinstance(keep_batchnorm_fp32, bool):
+        raise TypeError(
+            "`keep_batchnorm_fp32` must be True, False or None. "
+            f"Received: keep_batchnorm_fp32={keep_batchnorm_fp32!r}"
+        )
+
+
+def resolve_amp(amp_level, amp_dtype=_DEFAULT, loss_scale=_DEFAULT, keep_batchnorm_fp32=None):
+    """Validated, explicit amp settings: (level, dtype, loss_scale, keep_bn)."""
+    _check_amp_arguments(amp_level, amp_dtype, loss_scale, keep_batchnorm_fp32)
+    if amp_level == "auto":
+        level, auto_dtype, reason = pick_auto_level()
+        dtype = auto_dtype if amp_dtype is _DEFAULT else amp_dtype
+        print(f"keras_mp: amp_level='auto' picked {level} in {dtype}: {reason}.")
+    else:
+        level = get_level(amp_level).name
+        dtype = "float16" if amp_dtype is _DEFAULT else check_half_dtype(amp_dtype, "amp_dtype")
+    if loss_scale is _DEFAULT:
+        wants = dtype == "float16" and get_level(level).float16_loss_scale
+        loss_scale = "dynamic" if wants else None
+    return level, dtype, loss_scale, keep_batchnorm_fp32
+
+
+def _wrap_optimizer(optimizer, loss_scale):
+    if loss_scale is None or isinstance(optimizer, keras.optimizers.LossScaleOptimizer):
+        return optimizer  # an explicit LossScaleOptimizer is kept as given
+    if loss_scale == "dynamic":
+        return LossScaleOptimizer(optimizer, name="loss_scale_optimizer")
+    return LossScaleOptimizer(
+        optimizer, dynamic=False, initial_scale=float(loss_scale), name="loss_scale_optimizer"
+    )
+
+
+def compile(model, *args, **kwargs):
+    """`model.compile(...)` with the amp keywords, as a function.
+
+    Args:
+        model: a `keras.Model`.
+        *args, **kwargs: `keras.Model.compile`'s arguments, plus
+            `amp_level` ("O0"-"O3" or "auto"), `amp_dtype` ("float16" or
+            "bfloat16"), `loss_scale` ("dynamic", a number for a fixed scale,
+            or None) and `keep_batchnorm_fp32`.
+    """
+    if not isinstance(model, keras.Model):
+        raise TypeError(
+            "`model` must be a `keras.Model`. Received: "
+            f"model={model!r} of type {type(model).__name__}"
+        )
+    return _compile_with_amp(model, *args, **kwargs)
+
+
+@functools.wraps(_keras_compile)
+def _compile_with_amp(self, *args, amp_level=None, amp_dtype=_DEFAULT, loss_scale=_DEFAULT,
+                      keep_batchnorm_fp32=None, **kwargs):
+    if amp_level is None:
+        if amp_dtype is not _DEFAULT or loss_scale is not _DEFAULT or keep_batchnorm_fp32 is not None:
+            raise ValueError(
+                "`amp_dtype`, `loss_scale` and `keep_batchnorm_fp32` need "
+                f"`amp_level` (one of {', '.join(LEVELS)} or 'auto'). Received: "
+                f"amp_level=None, amp_dtype={amp_dtype!r}, "
+                f"loss_scale={loss_scale!r}, "
+                f"keep_batchnorm_fp32={keep_batchnorm_fp32!r}"
+            )
+        return _keras_compile(self, *args, **kwargs)
+    level, dtype, loss_scale, keep_batchnorm_fp32 = resolve_amp(
+        amp_level, amp_dtype, loss_scale, keep_batchnorm_fp32
+    )
+    bound = _keras_compile_signature.bind(self, *args, **kwargs)
+    bound.apply_defaults()
+    arguments = dict(bound.arguments)
+    arguments.pop("self")
+    apply_amp(self, level, dtype, keep_batchnorm_fp32=keep_batchnorm_fp32)
+    arguments["optimizer"] = _wrap_optimizer(
+        keras.optimizers.get(arguments["optimizer"]), loss_scale
+    )
+    # keras_mp decides about loss scaling; Keras must not wrap a second time.
+    arguments["auto_scale_loss"] = False
+    result = _keras_compile(self, **arguments)
+    self._compile_config.config.update(
+        amp_level=level,
+        amp_dtype=dtype,
+        loss_scale=loss_scale,
+        keep_batchnorm_fp32=keep_batchnorm_fp32,
+    )
+    return result
+
+
+def install():
+    """Adds the amp keywords to `keras.Model.compile` (idempotent)."""
+    if Trainer.compile is not _compile_with_amp:
+        # On Trainer itself, so Keras still sees `compile` as not overridden
+        # and `load_model` recompiles saved models (with their amp settings).
+        Trainer.compile = _compile_with_amp
+
+

@@ -1,0 +1,172 @@
+"""`compile(amp_level=...)`: the keyword, the function, saving, bad input."""
+
+import inspect
+
+import keras
+import numpy as np
+import pytest
+
+import keras_mp
+from keras_mp._src import compile as amp_compile
+
+BACKEND = keras.backend.backend()
+
+
+def _numpy(x):
+    return np.asarray(keras.ops.convert_to_numpy(x))
+
+
+def _model():
+    keras.utils.set_random_seed(0)
+    return keras.Sequential(
+        [
+            keras.Input((6,)),
+            keras.layers.Dense(16, activation="relu", name="hidden"),
+            keras.layers.BatchNormalization(name="bn"),
+            keras.layers.Dense(3, activation="softmax", name="out"),
+        ]
+    )
+
+
+def _data():
+    rng = np.random.default_rng(0)
+    x = rng.normal(size=(32, 6)).astype("float32")
+    return x, (x[:, 0] > 0).astype("int32") + (x[:, 1] > 0).astype("int32")
+
+
+def test_plain_compile_is_unchanged():
+    from keras.src.trainers.trainer import Trainer
+
+    model = _model()
+    optimizer = keras.optimizers.Adam()
+    model.compile(optimizer=optimizer, loss="mse")
+    assert model.optimizer is optimizer
+    assert not set(keras_mp._src.compile.AMP_ARGUMENTS) & set(model.get_compile_config())
+    assert model.get_layer("hidden").dtype_policy.name == "float32"
+    # Keras still sees `compile` as its own (so load_model recompiles).
+    assert type(model).compile == Trainer.compile
+    parameters = inspect.signature(amp_compile._keras_compile).parameters
+    assert "auto_scale_loss" in parameters and "amp_level" not in parameters
+
+
+def test_compile_with_an_explicit_loss_scale_optimizer():
+    model = _model()
+    optimizer = keras_mp.LossScaleOptimizer(keras.optimizers.Adam())
+    model.compile(optimizer=optimizer, loss="sparse_categorical_crossentropy", amp_level="O2")
+    assert model.optimizer is optimizer
+    assert model.get_layer("hidden").dtype_policy.name == "mixed_float16"
+    assert model.get_layer("bn").dtype_policy.name == "float32"
+    assert model.get_layer("out").dtype_policy.name == "float32"
+    x, y = _data()
+    history = model.fit(x, y, epochs=2, batch_size=8, verbose=0)
+    assert np.all(np.isfinite(history.history["loss"]))
+    out = model.predict(x, verbose=0)
+    assert out.dtype == np.float32
+
+
+@pytest.mark.parametrize(
+    "kwargs, wrapped, dynamic, scale",
+    [
+        ({"amp_level": "O2"}, True, True, 2.0**15),
+        ({"amp_level": "O1"}, True, True, 2.0**15),
+        ({"amp_level": "O2", "amp_dtype": "bfloat16"}, False, None, None),
+        ({"amp_level": "O3"}, False, None, None),
+        ({"amp_level": "O0"}, False, None, None),
+        ({"amp_level": "O2", "loss_scale": 1024}, True, False, 1024.0),
+        ({"amp_level": "O2", "loss_scale": None}, False, None, None),
+        ({"amp_level": "O3", "loss_scale": "dynamic"}, True, True, 2.0**15),
+    ],
+)
+def test_optimizer_is_wrapped_when_the_level_calls_for_it(kwargs, wrapped, dynamic, scale):
+    model = _model()
+    model.compile(optimizer="adam", loss="sparse_categorical_crossentropy", **kwargs)
+    is_lso = isinstance(model.optimizer, keras.optimizers.LossScaleOptimizer)
+    assert is_lso is wrapped
+    if wrapped:
+        assert isinstance(model.optimizer, keras_mp.LossScaleOptimizer)
+        assert not isinstance(model.optimizer.inner_optimizer, keras.optimizers.LossScaleOptimizer)
+        assert model.optimizer.dynamic is dynamic
+        assert model.optimizer.initial_scale == scale
+
+
+def test_never_wrapped_twice_under_a_global_mixed_policy():
+    keras.config.set_dtype_policy("mixed_float16")
+    model = _model()
+    model.compile(optimizer="sgd", loss="mse", amp_level="O2")
+    assert isinstance(model.optimizer, keras_mp.LossScaleOptimizer)
+    assert not isinstance(model.optimizer.inner_optimizer, keras.optimizers.LossScaleOptimizer)
+
+
+def test_function_form():
+    model = _model()
+    keras_mp.compile(model, "adam", "mse", amp_level="O1", amp_dtype="bfloat16")
+    assert model.get_layer("hidden").dtype_policy.name == "mixed_bfloat16"
+    assert model.get_layer("bn").dtype_policy.name == "float32"
+    with pytest.raises(TypeError, match="`model` must be a `keras.Model`.*Received: model="):
+        keras_mp.compile(keras.layers.Dense(2), "adam", amp_level="O1")
+
+
+def test_amp_settings_travel_with_the_saved_model(tmp_path):
+    model = _model()
+    model.compile(optimizer="adam", loss="sparse_categorical_crossentropy", amp_level="O2", loss_scale=512)
+    config = model.get_compile_config()
+    assert config["amp_level"] == "O2" and config["amp_dtype"] == "float16"
+    assert config["loss_scale"] == 512
+    x, y = _data()
+    model.fit(x, y, epochs=1, batch_size=8, verbose=0)
+    path = str(tmp_path / "amp.keras")
+    model.save(path)
+    loaded = keras.models.load_model(path)
+    assert loaded.get_compile_config()["amp_level"] == "O2"
+    assert isinstance(loaded.optimizer, keras_mp.LossScaleOptimizer)
+    assert not isinstance(loaded.optimizer.inner_optimizer, keras.optimizers.LossScaleOptimizer)
+    assert loaded.optimizer.dynamic is False and loaded.optimizer.initial_scale == 512.0
+    for layer, original in zip(loaded.layers, model.layers):
+        assert layer.dtype_policy.name == original.dtype_policy.name
+    np.testing.assert_array_equal(loaded.predict(x, verbose=0), model.predict(x, verbose=0))
+    loaded.fit(x, y, epochs=1, batch_size=8, verbose=0)
+
+
+@pytest.mark.parametrize(
+    "kwargs, error, fragment",
+    [
+        ({"amp_level": "O5"}, ValueError, "level='O5'"),
+        ({"amp_level": "O2", "amp_dtype": "float64"}, ValueError, "amp_dtype='float64'"),
+        ({"amp_level": "O2", "loss_scale": -1}, ValueError, "loss_scale=-1"),
+        ({"amp_level": "O2", "loss_scale": "static"}, ValueError, "loss_scale='static'"),
+        ({"amp_level": "O2", "keep_batchnorm_fp32": "x"}, TypeError, "keep_batchnorm_fp32='x'"),
+        ({"amp_dtype": "bfloat16"}, ValueError, "need `amp_level`"),
+    ],
+)
+def test_bad_amp_arguments(kwargs, error, fragment):
+    with pytest.raises(error) as info:
+        _model().compile(optimizer="adam", loss="mse", **kwargs)
+    assert fragment in str(info.value)
+
+
+@pytest.mark.parametrize(
+    "capability, flags, backend, expected",
+    [
+        ((9, 0), set(), "jax", ("O2", "float16")),
+        ((6, 1), set(), "torch", ("O0", "float16")),
+        (None, {"avx512_bf16"}, "torch", ("O2", "bfloat16")),
+        (None, {"amx_bf16"}, "tensorflow", ("O2", "bfloat16")),
+        (None, {"avx512_bf16"}, "jax", ("O0", "float16")),
+        (None, set(), "tensorflow", ("O0", "float16")),
+    ],
+)
+def test_auto_level_rule(monkeypatch, capability, flags, backend, expected):
+    monkeypatch.setattr(amp_compile, "_gpu_compute_capability", lambda b: capability)
+    monkeypatch.setattr(amp_compile, "_cpu_flags", lambda: set(flags))
+    level, dtype, reason = amp_compile.pick_auto_level(backend)
+    assert (level, dtype) == expected
+    assert reason
+
+
+def test_auto_says_what_it_picked(capsys):
+    model = _model()
+    model.compile(optimizer="adam", loss="mse", amp_level="auto")
+    printed = capsys.readouterr().out
+    assert "amp_level='auto' picked O" in printed
+    level = model.get_compile_config()["amp_level"]
+    assert level in keras_mp.LEVELS
