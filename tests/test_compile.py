@@ -170,3 +170,68 @@ def test_auto_says_what_it_picked(capsys):
     assert "amp_level='auto' picked O" in printed
     level = model.get_compile_config()["amp_level"]
     assert level in keras_mp.LEVELS
+
+
+def _bn_model():
+    keras.utils.set_random_seed(0)
+    return keras.Sequential(
+        [
+            keras.Input((6,)),
+            keras.layers.Dense(8, name="hidden"),
+            keras.layers.BatchNormalization(name="bn"),
+            keras.layers.Dropout(0.1),
+            keras.layers.Dense(3, activation="softmax", name="out"),
+        ]
+    )
+
+
+def _bad_batch():
+    x, y = _data()
+    x_bad = x[:8].copy()
+    x_bad[2, 1] = np.nan
+    return x[:8], y[:8], x_bad
+
+
+@pytest.mark.parametrize("level", ["O1", "O2"])
+def test_skipped_batch_keeps_every_weight_train_on_batch(level):
+    x, y, x_bad = _bad_batch()
+    model = _bn_model()
+    model.compile(optimizer="adam", loss="sparse_categorical_crossentropy", amp_level=level)
+    model.train_on_batch(x, y)
+    before = model.get_weights()
+    model.train_on_batch(x_bad, y)
+    assert int(_numpy(model.optimizer.skipped_steps)) == 1
+    for b, a in zip(before, model.get_weights()):
+        np.testing.assert_array_equal(a, b)
+    model.train_on_batch(x, y)  # and training goes on
+    assert all(np.all(np.isfinite(w)) for w in model.get_weights())
+    assert not np.array_equal(model.get_weights()[0], before[0])
+
+
+def test_skipped_batch_keeps_every_weight_in_fit():
+    x, y, x_bad = _bad_batch()
+    xs = np.concatenate([x, x_bad, x])
+    ys = np.concatenate([y, y, y])
+    model = _bn_model()
+    model.compile(optimizer="adam", loss="sparse_categorical_crossentropy", amp_level="O2")
+    seen = []
+
+    class Record(keras.callbacks.Callback):
+        def on_train_batch_end(self, batch, logs=None):
+            seen.append(self.model.get_weights())
+
+    model.fit(xs, ys, batch_size=8, shuffle=False, epochs=1, verbose=0, callbacks=[Record()])
+    for b, a in zip(seen[0], seen[1]):
+        np.testing.assert_array_equal(a, b)
+    assert all(np.all(np.isfinite(w)) for w in seen[2])
+
+
+def test_without_amp_level_batchnorm_statistics_are_lost():
+    """The problem the guard solves: plain Keras + LSO keeps NaN moving stats."""
+    x, y, x_bad = _bad_batch()
+    model = _bn_model()
+    model.compile(optimizer=keras_mp.LossScaleOptimizer(keras.optimizers.Adam()), loss="sparse_categorical_crossentropy")
+    model.train_on_batch(x, y)
+    model.train_on_batch(x_bad, y)
+    moving_mean = _numpy(model.get_layer("bn").moving_mean)
+    assert not np.all(np.isfinite(moving_mean))

@@ -17,6 +17,7 @@ from keras_mp._src.levels import check_half_dtype
 from keras_mp._src.levels import get_level
 from keras_mp._src.loss_scale_optimizer import LossScaleOptimizer
 from keras_mp._src.policies import apply_amp
+from keras_mp._src.state_guard import guard_train_step
 
 AMP_ARGUMENTS = ("amp_level", "amp_dtype", "loss_scale", "keep_batchnorm_fp32")
 _DEFAULT = "default"
@@ -188,6 +189,7 @@ def _compile_with_amp(self, *args, amp_level=None, amp_dtype=_DEFAULT, loss_scal
         loss_scale=loss_scale,
         keep_batchnorm_fp32=keep_batchnorm_fp32,
     )
+    guard_train_step(self)
     return result
 
 
