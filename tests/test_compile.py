@@ -130,7 +130,8 @@ def test_amp_settings_travel_with_the_saved_model(tmp_path):
 @pytest.mark.parametrize(
     "kwargs, error, fragment",
     [
-        ({"amp_level": "O5"}, ValueError, "level='O5'"),
+        ({"amp_level": "O5"}, ValueError, "must be one of O0, O1, O2, O3 or 'auto'. Received: amp_level='O5'"),
+        ({"amp_level": 2}, ValueError, "Received: amp_level=2"),
         ({"amp_level": "O2", "amp_dtype": "float64"}, ValueError, "amp_dtype='float64'"),
         ({"amp_level": "O2", "loss_scale": -1}, ValueError, "loss_scale=-1"),
         ({"amp_level": "O2", "loss_scale": "static"}, ValueError, "loss_scale='static'"),

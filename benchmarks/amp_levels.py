@@ -1,0 +1,148 @@
+"""Training speed of each precision level (a benchmark, not a test).
+
+Per backend (one process each with --all), in one process, alternating the
+configurations round by round, median over rounds: steps/s of
+
+- O0, and O1/O2/O3 in float16 and bfloat16 (`compile(amp_level=...)`),
+- Keras's own global `mixed_float16` / `mixed_bfloat16` policy on the same
+  model (with Keras's LossScaleOptimizer for float16),
+- O2 float16 without keras_mp's BatchNorm guard (the same policies and
+  optimizer, compiled plainly): the guard's cost per step,
+
+on an MLP, a small CNN with BatchNorm and a transformer block.
+
+    python benchmarks/amp_levels.py --all
+    KERAS_BACKEND=torch python benchmarks/amp_levels.py --models cnn_bn
+"""
+
+import argparse
+import os
+import statistics
+import subprocess
+import sys
+
+from lso_overhead import _calibrated_steps
+from lso_overhead import _steady_state_timer
+
+BACKENDS = ("tensorflow", "jax", "torch")
+MODELS = ("mlp", "cnn_bn", "transformer")
+CONFIGS = (
+    "O0",
+    "O1 float16", "O2 float16", "O3 float16",
+    "O1 bfloat16", "O2 bfloat16", "O3 bfloat16",
+    "keras mixed_float16", "keras mixed_bfloat16",
+    "O2 float16 no guard",
+)
+
+
+def _build(keras, name):
+    layers = keras.layers
+    if name == "mlp":
+        return keras.Sequential(
+            [keras.Input((512,)), layers.Dense(512, activation="relu"),
+             layers.Dense(512, activation="relu"), layers.Dense(10, activation="softmax")]
+        ), (512,)
+    if name == "cnn_bn":
+        return keras.Sequential(
+            [keras.Input((32, 32, 3)),
+             layers.Conv2D(32, 3, padding="same"), layers.BatchNormalization(), layers.ReLU(),
+             layers.MaxPooling2D(),
+             layers.Conv2D(64, 3, padding="same"), layers.BatchNormalization(), layers.ReLU(),
+             layers.GlobalAveragePooling2D(), layers.Dense(10, activation="softmax")]
+        ), (32, 32, 3)
+    inputs = keras.Input((32, 64))
+    h = layers.LayerNormalization()(inputs)
+    h = inputs + layers.MultiHeadAttention(4, 16)(h, h)
+    f = layers.LayerNormalization()(h)
+    f = layers.Dense(256, activation="gelu")(f)
+    h = h + layers.Dense(64)(f)
+    outputs = layers.Dense(10, activation="softmax")(layers.GlobalAveragePooling1D()(h))
+    return keras.Model(inputs, outputs), (32, 64)
+
+
+def _compiled(keras, keras_mp, model_name, config):
+    keras.utils.set_random_seed(0)
+    optimizer = keras.optimizers.Adam(1e-3)
+    loss = "sparse_categorical_crossentropy"
+    if config.startswith("keras "):
+        keras.config.set_dtype_policy(config.split()[1])
+        model, shape = _build(keras, model_name)
+        keras.config.set_dtype_policy("float32")
+        model.compile(optimizer=optimizer, loss=loss)  # Keras wraps float16 itself
+        return model, shape
+    model, shape = _build(keras, model_name)
+    if config == "O0":
+        model.compile(optimizer=optimizer, loss=loss, amp_level="O0")
+    elif config.endswith("no guard"):
+        keras_mp.apply_amp(model, "O2", "float16")
+        model.compile(optimizer=keras_mp.LossScaleOptimizer(optimizer), loss=loss)
+    else:
+        level, dtype = config.split()
+        model.compile(optimizer=optimizer, loss=loss, amp_level=level, amp_dtype=dtype)
+    return model, shape
+
+
+def run_one_backend(rounds, batch, model_names):
+    import numpy as np
+    import keras
+
+    import keras_mp
+
+    rng = np.random.default_rng(0)
+    rows = []
+    for model_name in model_names:
+        models, data = {}, {}
+        for config in CONFIGS:
+            model, shape = _compiled(keras, keras_mp, model_name, config)
+            steps = _calibrated_steps(keras, model, shape, batch, 40, rng, budget_s=0.3)
+            x = rng.normal(size=(steps * batch,) + shape).astype("float32")
+            y = rng.integers(0, 10, size=(steps * batch,))
+            model.fit(x, y, batch_size=batch, epochs=1, verbose=0)
+            models[config], data[config] = model, (x, y)
+        timer = _steady_state_timer(keras)(skip=2)
+        times = {c: [] for c in CONFIGS}
+        for r in range(rounds):
+            for config in CONFIGS if r % 2 == 0 else CONFIGS[::-1]:
+                x, y = data[config]
+                models[config].fit(x, y, batch_size=batch, epochs=1, verbose=0, callbacks=[timer])
+                times[config].append(timer.per_step)
+        median = {c: statistics.median(t) for c, t in times.items()}
+        for config in CONFIGS:
+            rows.append((keras.backend.backend(), model_name, config, 1.0 / median[config],
+                         median["O0"] / median[config]))
+        guard = median["O2 float16"] / median["O2 float16 no guard"]
+        keras_o2 = median["O2 float16"] / median["keras mixed_float16"]
+        keras_o2_bf16 = median["O2 bfloat16"] / median["keras mixed_bfloat16"]
+        print(f"# {keras.backend.backend()} {model_name}: O2/Keras mixed step time "
+              f"float16 {keras_o2:.3f}, bfloat16 {keras_o2_bf16:.3f}; "
+              f"BatchNorm guard {guard:.3f}", flush=True)
+    return rows
+
+
+HEADER = "| backend | model | configuration | steps/s | speed-up over O0 |\n|---|---|---|---|---|"
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--all", action="store_true")
+    parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument("--batch", type=int, default=64)
+    parser.add_argument("--models", nargs="+", default=list(MODELS), choices=MODELS)
+    args = parser.parse_args()
+    if args.all:
+        print(HEADER)
+        for backend in BACKENDS:
+            out = subprocess.run(
+                [sys.executable, __file__, "--rounds", str(args.rounds), "--batch", str(args.batch),
+                 "--models", *args.models],
+                env=dict(os.environ, KERAS_BACKEND=backend), capture_output=True, text=True, check=True,
+            ).stdout
+            print("\n".join(l for l in out.splitlines() if l.startswith((f"| {backend}", "#"))), flush=True)
+        return
+    print(HEADER)
+    for r in run_one_backend(args.rounds, args.batch, args.models):
+        print(f"| {r[0]} | {r[1]} | {r[2]} | {r[3]:.1f} | {r[4]:.2f} |", flush=True)
+
+
+if __name__ == "__main__":
+    main()
