@@ -87,13 +87,8 @@ def _cpu_flags():
 
 
 def _check_amp_arguments(amp_level, amp_dtype, loss_scale, keep_batchnorm_fp32):
-    if amp_level != "auto" and (
-        not isinstance(amp_level, str) or amp_level.upper() not in LEVELS
-    ):
-        raise ValueError(
-            f"`amp_level` must be one of {', '.join(LEVELS)} or 'auto'. "
-            f"Received: amp_level={amp_level!r}"
-        )
+    if amp_level != "auto":
+        get_level(amp_level, "amp_level", also=("auto",))
     if amp_dtype is not _DEFAULT:
         check_half_dtype(amp_dtype, "amp_dtype")
     if not (

@@ -37,11 +37,16 @@ LEVEL_TABLE = {
 }
 
 
-def get_level(level):
-    """The `Level` named `level`; a clear error for anything else."""
+def get_level(level, argument="level", also=()):
+    """The `Level` named `level`; a clear error naming `argument` otherwise.
+
+    `also` lists further accepted values the caller handles itself (they are
+    only named in the error message).
+    """
     if not isinstance(level, str) or level.upper() not in LEVEL_TABLE:
+        allowed = ", ".join(LEVELS) + "".join(f" or {a!r}" for a in also)
         raise ValueError(
-            f"`level` must be one of {', '.join(LEVELS)}. Received: level={level!r}"
+            f"`{argument}` must be one of {allowed}. Received: {argument}={level!r}"
         )
     return LEVEL_TABLE[level.upper()]
 
