@@ -286,11 +286,6 @@ class LossScaleOptimizer(_KerasLossScaleOptimizer):
             grads, scale, skip=self._skip_indices(trainable_variables)
         )
 
-    def _finite(self, grads):
-        if not self._config.checks_finite:
-            return ops.convert_to_tensor(True)
-        return backend_ops.all_finite(grads)
-
     def _assign_state(self, old_state, new_state):
         for variable, old, new in zip(
             self._state_variables(), old_state, new_state
@@ -323,7 +318,7 @@ class LossScaleOptimizer(_KerasLossScaleOptimizer):
         if not self._config.checks_finite:
             on_finite()
             return
-        finite = self._finite(grads)
+        finite = self.check_finite(grads)
         if tf.__internal__.distribute.strategy_supports_no_merge_call():
             # Inside each branch the outcome is known, so `update` builds
             # only that outcome's few ops.
@@ -361,7 +356,7 @@ class LossScaleOptimizer(_KerasLossScaleOptimizer):
             if not self._config.checks_finite:
                 finite = True
             elif unscaled_by_caller:
-                finite = bool(self._finite(grads))  # The one host sync.
+                finite = bool(self.check_finite(grads))  # The one host sync.
             else:
                 finite = not bool(found_inf)  # The one host sync, as GradScaler.
             if finite:
@@ -451,7 +446,7 @@ class LossScaleOptimizer(_KerasLossScaleOptimizer):
 
         if not self._config.checks_finite:
             return on_finite()
-        return ops.cond(self._finite(grads), on_finite, on_overflow)
+        return ops.cond(self.check_finite(grads), on_finite, on_overflow)
 
     def check_finite(self, grads):
         """Boolean scalar tensor: whether all gradients are finite."""
