@@ -10,10 +10,14 @@ The public API, in full (implementation lives in `keras_mp._src`):
 - `precision_summary(model)`: who computes in what, and why.
 - `compile(model, ..., amp_level=...)`; `import keras_mp` also adds the amp
   keywords to `keras.Model.compile` (and changes nothing else).
+- `export(model, path, dtype="float32")`: a SavedModel of a copy computing in
+  the precision it is served in; `serving_copy(model, dtype)` is that copy.
 """
 
 from keras_mp._src.compile import compile
 from keras_mp._src.compile import install as _install_compile_keywords
+from keras_mp._src.export import export
+from keras_mp._src.export import serving_copy
 from keras_mp._src.levels import HALF_DTYPES
 from keras_mp._src.levels import LEVELS
 from keras_mp._src.loss_scale_optimizer import LossScaleOptimizer
@@ -35,6 +39,8 @@ __all__ = [
     "LossScaleOptimizer",
     "apply_amp",
     "compile",
+    "export",
     "precision_summary",
+    "serving_copy",
     "to_float",
 ]

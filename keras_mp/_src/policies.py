@@ -4,7 +4,10 @@ Every decision is an ordinary Keras dtype policy on `layer.dtype_policy`; the
 rule that set it is kept beside it (for `precision_summary`).
 """
 
+import functools
+
 import keras
+from keras.src.models.functional import Functional
 
 from keras_mp._src.levels import check_half_dtype
 from keras_mp._src.levels import get_level
@@ -60,6 +63,7 @@ DENY_LIST = tuple(
 )
 
 _RULE_ATTRIBUTE = "_keras_mp_rule"
+_CASTS_OUTPUTS_ATTRIBUTE = "_keras_mp_float32_outputs"
 
 
 def _matches(layer, entries):
@@ -103,13 +107,22 @@ def _check_model(model, argument="model"):
         )
 
 
+def _is_subclassed(model):
+    return isinstance(model, keras.Model) and not isinstance(
+        model, (keras.Sequential, Functional)
+    )
+
+
 def _output_layers(model):
     """Layers whose outputs are the model's outputs.
 
     Known for Sequential and functional models (recursively, when an output
-    comes from a nested model); a subclassed model's outputs are whatever its
-    `call` returns, so none are known.
+    comes from a nested model). A subclassed model's outputs are whatever its
+    `call` returns: the subclassed model itself is listed, and its outputs
+    are cast to float32 (`_cast_outputs_to_float32`).
     """
+    if _is_subclassed(model):
+        return (model,)
     if isinstance(model, keras.Sequential):
         operations = model.layers[-1:]
     elif isinstance(model, keras.Model) and getattr(model, "_outputs", None):
@@ -129,6 +142,37 @@ def _output_layers(model):
         else:
             layers.append(operation)
     return tuple(layers)
+
+
+def _cast_outputs_to_float32(model):
+    """Makes a subclassed model's `call` return float32 (idempotent).
+
+    Sequential and functional models get float32 outputs from float32 output
+    layers; a subclassed model's `call` may end anywhere, so its floating
+    outputs are cast on the way out. The model's inputs stay float32 too (its
+    own policy is float32), so `model.export` gets a float32 serving
+    signature.
+    """
+    if getattr(model, _CASTS_OUTPUTS_ATTRIBUTE, False):
+        return
+    call = model.call
+
+    @functools.wraps(call)
+    def call_with_float32_outputs(*args, **kwargs):
+        return keras.tree.map_structure(_to_float32, call(*args, **kwargs))
+
+    object.__setattr__(model, "call", call_with_float32_outputs)
+    object.__setattr__(model, _CASTS_OUTPUTS_ATTRIBUTE, True)
+
+
+def _to_float32(x):
+    dtype = getattr(x, "dtype", None)
+    if dtype is None:
+        return x
+    dtype = keras.backend.standardize_dtype(dtype)
+    if dtype in ("float16", "bfloat16"):
+        return keras.ops.cast(x, "float32")
+    return x
 
 
 def _is_batchnorm(layer):
@@ -222,7 +266,11 @@ def apply_amp(
     outputs = _output_layers(model)
     decisions = []
     for layer in _layers(model):
-        if _is_container(layer):
+        if _is_subclassed(layer) and (layer is model or any(layer is o for o in outputs)):
+            # Its `call` is the model's forward pass: inputs arrive and
+            # outputs leave in float32; the layers inside follow the level.
+            policy, rule = "float32", f"{level_spec.name}: model, float32 inputs and outputs"
+        elif _is_container(layer):
             # A container computes nothing itself; its policy casts its inputs.
             policy = (
                 half
@@ -238,6 +286,9 @@ def apply_amp(
             )
         decisions.append((layer, (policy, rule)))
     _set_policies(model, decisions)
+    for layer in outputs:
+        if _is_subclassed(layer):
+            _cast_outputs_to_float32(layer)
     return model
 
 

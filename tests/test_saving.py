@@ -1,0 +1,245 @@
+"""Saving and resuming mixed-precision models: `.keras`, checkpoints, backups.
+
+A saved model loses nothing: per-layer policies, the LossScaleOptimizer with
+its state (scale, counters, inner slots, iterations), the compile config.
+Resuming is exact: N steps, save, load, M steps gives bit for bit what N+M
+steps without the save gives (compared against that uninterrupted run). The
+data has a NaN batch, so the runs include skipped steps, backoffs and growth.
+"""
+
+import json
+import os
+import zipfile
+
+import keras
+import numpy as np
+import pytest
+
+import keras_mp
+
+BACKEND = keras.backend.backend()
+BATCH = 8
+STEPS_PER_EPOCH = 4
+NAN_BATCH = 1
+
+
+def _numpy(x):
+    return np.asarray(keras.ops.convert_to_numpy(x)).astype("float64")
+
+
+def _data():
+    rng = np.random.default_rng(0)
+    x = rng.normal(size=(STEPS_PER_EPOCH * BATCH, 6)).astype("float32")
+    y = ((x[:, 0] > 0).astype("int32") + (x[:, 1] > 0)).astype("int32")
+    x[NAN_BATCH * BATCH + 2, 3] = np.nan  # one step per epoch is skipped
+    return x, y
+
+
+def _model():
+    keras.utils.set_random_seed(0)
+    inputs = keras.Input((6,), name="features")
+    h = keras.layers.Dense(16, activation="relu", name="hidden")(inputs)
+    h = keras.layers.BatchNormalization(name="bn")(h)
+    outputs = keras.layers.Dense(3, activation="softmax", name="probs")(h)
+    return keras.Model(inputs, outputs)
+
+
+def _compiled(level="O2", dtype="float16", loss_scale="dynamic"):
+    model = _model()
+    if loss_scale == "dynamic":
+        # Grows after 3 finite steps: the scale moves both ways in a short run.
+        optimizer = keras_mp.LossScaleOptimizer(
+            keras.optimizers.Adam(1e-2), initial_scale=2.0**8, dynamic_growth_steps=3
+        )
+    else:
+        optimizer = keras_mp.LossScaleOptimizer(
+            keras.optimizers.Adam(1e-2), dynamic=False, initial_scale=loss_scale
+        )
+    model.compile(
+        optimizer=optimizer,
+        loss="sparse_categorical_crossentropy",
+        metrics=["accuracy"],
+        amp_level=level,
+        amp_dtype=dtype,
+    )
+    return model
+
+
+def _fit(model, epochs, initial_epoch=0, callbacks=()):
+    x, y = _data()
+    return model.fit(
+        x, y, batch_size=BATCH, epochs=epochs, initial_epoch=initial_epoch,
+        shuffle=False, verbose=0, callbacks=list(callbacks),
+    )
+
+
+def _state(model):
+    """Everything training depends on: weights, then optimizer variables."""
+    return [_numpy(v) for v in model.weights] + [
+        _numpy(v) for v in model.optimizer.variables
+    ]
+
+
+def _assert_same_state(actual, expected):
+    assert len(actual) == len(expected)
+    for a, e in zip(actual, expected):
+        np.testing.assert_array_equal(a, e)
+
+
+def _policies(model):
+    return [
+        (layer.name, layer.dtype_policy.name)
+        for layer in model._flatten_layers(include_self=True, recursive=True)
+    ]
+
+
+@pytest.mark.parametrize("loss_scale", ["dynamic", 64.0])
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
+@pytest.mark.parametrize("level", ["O0", "O1", "O2", "O3"])
+def test_keras_round_trip_and_exact_resume(tmp_path, level, dtype, loss_scale):
+    model = _compiled(level, dtype, loss_scale)
+    _fit(model, epochs=1)
+    optimizer = model.optimizer
+    assert int(_numpy(optimizer.skipped_steps)) == 1  # the NaN batch
+    assert int(_numpy(optimizer.iterations)) == STEPS_PER_EPOCH - 1
+
+    path = str(tmp_path / "model.keras")
+    model.save(path)
+    loaded = keras.models.load_model(path)
+
+    # Everything came back.
+    assert _policies(loaded) == _policies(model)
+    assert type(loaded.optimizer) is keras_mp.LossScaleOptimizer
+    assert loaded.optimizer.get_config() == optimizer.get_config()
+    for name in ("loss_scale", "good_steps", "skipped_steps", "iterations"):
+        np.testing.assert_array_equal(
+            _numpy(getattr(loaded.optimizer, name)), _numpy(getattr(optimizer, name))
+        )
+    _assert_same_state(_state(loaded), _state(model))
+    assert loaded.get_compile_config() == model.get_compile_config()
+    assert loaded.get_compile_config()["amp_level"] == level
+    x, _ = _data()
+    np.testing.assert_array_equal(
+        loaded.predict(x, verbose=0), model.predict(x, verbose=0)
+    )
+
+    # Training resumes exactly: the original goes on without a save.
+    _fit(model, epochs=2)
+    _fit(loaded, epochs=2)
+    assert int(_numpy(loaded.optimizer.skipped_steps)) == 3
+    _assert_same_state(_state(loaded), _state(model))
+
+
+def test_resume_equals_an_uninterrupted_run(tmp_path):
+    """N + save/load + M steps == N + M steps, against a separate model."""
+    reference = _compiled()
+    _fit(reference, epochs=3)
+
+    model = _compiled()
+    _fit(model, epochs=1)
+    model.save(str(tmp_path / "model.keras"))
+    del model
+    loaded = keras.models.load_model(str(tmp_path / "model.keras"))
+    _fit(loaded, epochs=3, initial_epoch=1)
+
+    _assert_same_state(_state(loaded), _state(reference))
+    # The run moved the scale both ways: this compares a non-trivial state.
+    # (256, back off to 128, grow to 256, back off to 128.)
+    assert float(_numpy(reference.optimizer.loss_scale)) == 128.0
+    assert int(_numpy(reference.optimizer.good_steps)) == 2
+    assert int(_numpy(reference.optimizer.skipped_steps)) == 3
+
+
+def test_model_checkpoint_full_model(tmp_path):
+    reference = _compiled()
+    _fit(reference, epochs=3)
+
+    model = _compiled()
+    checkpoint = keras.callbacks.ModelCheckpoint(str(tmp_path / "epoch{epoch}.keras"))
+    _fit(model, epochs=2, callbacks=[checkpoint])
+    resumed = keras.models.load_model(str(tmp_path / "epoch1.keras"))
+    assert int(_numpy(resumed.optimizer.iterations)) == STEPS_PER_EPOCH - 1
+    _fit(resumed, epochs=3, initial_epoch=1)
+    _assert_same_state(_state(resumed), _state(reference))
+
+
+def test_model_checkpoint_weights_and_optimizer(tmp_path):
+    reference = _compiled()
+    _fit(reference, epochs=3)
+
+    model = _compiled()
+    checkpoint = keras.callbacks.ModelCheckpoint(
+        str(tmp_path / "epoch{epoch}.weights.h5"), save_weights_only=True
+    )
+    _fit(model, epochs=1, callbacks=[checkpoint])
+
+    # A new process: the same code builds and compiles the model, then loads.
+    resumed = _compiled()
+    resumed.optimizer.build(resumed.trainable_variables)
+    resumed.load_weights(str(tmp_path / "epoch1.weights.h5"))
+    _assert_same_state(_state(resumed), _state(model))
+    assert float(_numpy(resumed.optimizer.loss_scale)) == float(
+        _numpy(model.optimizer.loss_scale)
+    )
+    _fit(resumed, epochs=3, initial_epoch=1)
+    _assert_same_state(_state(resumed), _state(reference))
+
+
+class _Interrupt(keras.callbacks.Callback):
+    def __init__(self, epoch, batch):
+        super().__init__()
+        self.at = (epoch, batch)
+        self.epoch = 0
+
+    def on_epoch_begin(self, epoch, logs=None):
+        self.epoch = epoch
+
+    def on_train_batch_end(self, batch, logs=None):
+        if (self.epoch, batch) == self.at:
+            raise RuntimeError("Interrupting training (simulated failure).")
+
+
+def test_backup_and_restore_interrupted_mid_epoch(tmp_path):
+    reference = _compiled()
+    _fit(reference, epochs=4)
+
+    backup_dir = str(tmp_path / "backup")
+    model = _compiled()
+    with pytest.raises(RuntimeError, match="simulated failure"):
+        _fit(
+            model,
+            epochs=4,
+            callbacks=[keras.callbacks.BackupAndRestore(backup_dir), _Interrupt(2, 2)],
+        )
+    with open(os.path.join(backup_dir, "training_metadata.json")) as f:
+        assert json.load(f)["epoch"] == 2  # epochs 0 and 1 are backed up
+
+    # A restarted job: a new model object, restored from the backup.
+    restarted = _compiled()
+    _fit(restarted, epochs=4, callbacks=[keras.callbacks.BackupAndRestore(backup_dir)])
+    _assert_same_state(_state(restarted), _state(reference))
+    assert int(_numpy(restarted.optimizer.skipped_steps)) == 4
+
+
+@pytest.mark.parametrize("damage", ["truncate", "overwrite"])
+def test_damaged_keras_file_raises(tmp_path, damage):
+    model = _compiled()
+    _fit(model, epochs=1)
+    path = str(tmp_path / "model.keras")
+    model.save(path)
+    with open(path, "rb") as f:
+        data = f.read()
+    if damage == "truncate":
+        data = data[: len(data) // 2]
+    else:
+        # Garble the weights inside the archive, keep the zip's directory.
+        with zipfile.ZipFile(path) as archive:
+            info = archive.getinfo("model.weights.h5")
+        start = info.header_offset + 30 + len(info.filename) + 64
+        data = data[:start] + b"\x00" * 256 + data[start + 256 :]
+    with open(path, "wb") as f:
+        f.write(data)
+    with pytest.raises(Exception) as error:
+        keras.models.load_model(path)
+    message = str(error.value).lower()
+    assert any(word in message for word in ("zip", "crc", "file", "truncat")), message
