@@ -156,6 +156,30 @@ def test_subclassed_model_and_rnn():
     assert model.norm.dtype_policy.name == "float32"
 
 
+@pytest.mark.parametrize("level", ["O2", "O3"])
+def test_subclassed_model_inputs_and_outputs_are_float32(level):
+    class Net(keras.Model):
+        def __init__(self, **kwargs):
+            super().__init__(**kwargs)
+            self.hidden = keras.layers.Dense(4)
+            self.logits = keras.layers.Dense(2)
+
+        def call(self, x):
+            return {"logits": self.logits(self.hidden(x)), "hidden": self.hidden(x)}
+
+    model = Net()
+    keras_mp.apply_amp(model, level)
+    keras_mp.apply_amp(model, level)  # idempotent: one cast, not two
+    assert model.logits.compute_dtype == "float16"
+    assert model.dtype_policy.name == "float32" and model.input_dtype == "float32"
+    outputs = model(np.ones((2, 3), "float32"))
+    assert {k: keras.backend.standardize_dtype(v.dtype) for k, v in outputs.items()} == {
+        "logits": "float32", "hidden": "float32"
+    }
+    rule = keras_mp.precision_summary(model).rows[0]["rule"]
+    assert rule == f"{level}: model, float32 inputs and outputs"
+
+
 def test_allow_and_deny_extend_the_lists():
     model = _cnn()
     keras_mp.apply_amp(model, "O1", allow=["relu", keras.layers.Flatten])

@@ -1,0 +1,297 @@
+"""SavedModel export of mixed-precision models, and serving in another dtype.
+
+The serving signature takes and returns float32 at every level; the reloaded
+artifact (`tf.saved_model.load`, `keras.layers.TFSMLayer`) computes what the
+in-memory model computes. `keras_mp.export(model, path, dtype=...)` serves a
+copy in another precision without touching the model being trained.
+
+TensorFlow and JAX export SavedModels (JAX through jax2tf); Keras cannot on
+the PyTorch backend without torch_xla, and keras_mp.export says so.
+"""
+
+import os
+import subprocess
+import sys
+import textwrap
+
+import keras
+import numpy as np
+import pytest
+
+import keras_mp
+
+BACKEND = keras.backend.backend()
+needs_saved_model = pytest.mark.skipif(
+    BACKEND == "torch", reason="Keras exports SavedModels from TensorFlow and JAX"
+)
+# float16 carries 11 significant bits; these tiny models compound few roundings.
+HALF_TOLERANCE = dict(rtol=1e-2, atol=1e-3)
+
+
+def _numpy(x):
+    return np.asarray(keras.ops.convert_to_numpy(x))
+
+
+def _data():
+    rng = np.random.default_rng(0)
+    x = rng.normal(size=(32, 6)).astype("float32")
+    y = (x[:, 0] > 0).astype("int32") + (x[:, 1] > 0).astype("int32")
+    return x, y
+
+
+def _functional():
+    inputs = keras.Input((6,), name="features")
+    h = keras.layers.Dense(16, activation="relu", name="hidden")(inputs)
+    h = keras.layers.BatchNormalization(name="bn")(h)
+    outputs = keras.layers.Dense(3, activation="softmax", name="probs")(h)
+    return keras.Model(inputs, outputs)
+
+
+class Subclassed(keras.Model):
+    def __init__(self, **kwargs):
+        super().__init__(**kwargs)
+        self.hidden = keras.layers.Dense(16, activation="relu")
+        self.bn = keras.layers.BatchNormalization()
+        self.logits = keras.layers.Dense(3)
+
+    def call(self, x, training=False):
+        return self.logits(self.bn(self.hidden(x), training=training))
+
+
+def _trained(level, dtype, kind="functional"):
+    keras.utils.set_random_seed(0)
+    model = _functional() if kind == "functional" else Subclassed()
+    loss = keras.losses.SparseCategoricalCrossentropy(from_logits=kind != "functional")
+    model.compile(optimizer="adam", loss=loss, amp_level=level, amp_dtype=dtype)
+    x, y = _data()
+    model.fit(x, y, batch_size=8, epochs=2, verbose=0)
+    return model
+
+
+def _tf():
+    import tensorflow as tf
+
+    return tf
+
+
+def _load(path):
+    tf = _tf()
+    loaded = tf.saved_model.load(path)
+    return loaded, loaded.signatures["serving_default"]
+
+
+def _assert_float32_signature(signature):
+    specs = list(signature.structured_input_signature[1].values())
+    assert [s.dtype.name for s in specs] == ["float32"]
+    outputs = list(signature.structured_outputs.values())
+    assert [s.dtype.name for s in outputs] == ["float32"]
+
+
+def _serve(signature, x):
+    tf = _tf()
+    (name,) = signature.structured_input_signature[1]
+    (out,) = signature(**{name: tf.constant(x)}).values()
+    assert out.dtype.name == "float32"
+    return out.numpy()
+
+
+@needs_saved_model
+@pytest.mark.parametrize("kind", ["functional", "subclassed"])
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
+@pytest.mark.parametrize("level", ["O1", "O2", "O3"])
+def test_model_export_serves_float32(tmp_path, level, dtype, kind):
+    model = _trained(level, dtype, kind)
+    x, _ = _data()
+    expected = model.predict(x, verbose=0)
+    assert expected.dtype == np.float32
+    path = str(tmp_path / "exported")
+    model.export(path, verbose=False)
+
+    loaded, signature = _load(path)
+    assert sorted(loaded.signatures) == ["serve", "serving_default"]
+    _assert_float32_signature(signature)
+    np.testing.assert_allclose(_serve(signature, x), expected, **HALF_TOLERANCE)
+    np.testing.assert_allclose(
+        loaded.serve(_tf().constant(x)).numpy(), expected, **HALF_TOLERANCE
+    )
+    if BACKEND == "tensorflow":
+        layer = keras.layers.TFSMLayer(path, call_endpoint="serve")
+        np.testing.assert_allclose(_numpy(layer(x)), expected, **HALF_TOLERANCE)
+
+
+@pytest.mark.skipif(BACKEND != "tensorflow", reason="tf.saved_model.save takes TensorFlow objects")
+@pytest.mark.parametrize("kind", ["functional", "subclassed"])
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
+@pytest.mark.parametrize("level", ["O2", "O3"])
+def test_tf_saved_model_save(tmp_path, level, dtype, kind):
+    tf = _tf()
+    model = _trained(level, dtype, kind)
+    x, _ = _data()
+    path = str(tmp_path / "saved")
+    tf.saved_model.save(model, path)
+    loaded, signature = _load(path)
+    assert sorted(loaded.signatures) == ["serving_default"]
+    _assert_float32_signature(signature)
+    np.testing.assert_allclose(
+        _serve(signature, x), model.predict(x, verbose=0), **HALF_TOLERANCE
+    )
+
+
+def _policies(model):
+    return [
+        (layer.name, layer.dtype_policy.name)
+        for layer in model._flatten_layers(include_self=True, recursive=True)
+    ]
+
+
+@pytest.mark.parametrize("kind", ["functional", "subclassed"])
+@pytest.mark.parametrize("level", ["O2", "O3"])
+def test_serving_copy_computes_in_float32_and_leaves_the_model_alone(level, kind):
+    model = _trained(level, "float16", kind)
+    weights = [w.copy() for w in model.get_weights()]
+    policies = _policies(model)
+    config = model.get_compile_config()
+
+    copy = keras_mp.serving_copy(model, "float32")
+    assert copy is not model and not copy.compiled
+    assert {layer.dtype_policy.name for layer in copy._flatten_layers()} == {"float32"}
+    assert {keras.backend.standardize_dtype(w.dtype) for w in copy.weights} == {"float32"}
+    # Same weights (float16 values are exact in float32).
+    for w, c in zip(model.weights, copy.weights):
+        np.testing.assert_array_equal(_numpy(c), _numpy(w).astype("float32"))
+    x, _ = _data()
+    # The float32 copy against a float64 NumPy forward pass of the same weights.
+    np.testing.assert_allclose(_numpy(copy(x)), _reference_forward(model, x, kind), rtol=1e-5, atol=1e-6)
+
+    # The training model is untouched and still trains.
+    for before, after in zip(weights, model.get_weights()):
+        np.testing.assert_array_equal(before, after)
+    assert _policies(model) == policies
+    assert model.get_compile_config() == config
+    model.fit(x, _data()[1], epochs=1, verbose=0)
+
+
+def _reference_forward(model, x, kind):
+    w = [_numpy(v).astype("float64") for v in model.weights]
+    kernel1, bias1, gamma, beta, mean, var, kernel2, bias2 = w
+    bn = model.get_layer("bn") if kind == "functional" else model.bn
+    h = np.maximum(x.astype("float64") @ kernel1 + bias1, 0)
+    h = (h - mean) / np.sqrt(var + bn.epsilon) * gamma + beta
+    logits = h @ kernel2 + bias2
+    if kind == "subclassed":
+        return logits
+    e = np.exp(logits - logits.max(axis=1, keepdims=True))
+    return e / e.sum(axis=1, keepdims=True)
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
+def test_serving_copy_in_half(dtype):
+    model = _trained("O2", "float16")
+    copy = keras_mp.serving_copy(model, dtype)
+    assert copy.get_layer("hidden").dtype_policy.name == dtype
+    assert keras.backend.standardize_dtype(copy.get_layer("hidden").kernel.dtype) == dtype
+    assert copy.get_layer("bn").dtype_policy.name == "float32"  # keep_batchnorm_fp32
+    x, _ = _data()
+    out = copy(x)
+    assert keras.backend.standardize_dtype(out.dtype) == "float32"
+    tolerance = dict(rtol=5e-2, atol=2e-2) if dtype == "bfloat16" else HALF_TOLERANCE
+    np.testing.assert_allclose(_numpy(out), model.predict(x, verbose=0), **tolerance)
+
+
+@needs_saved_model
+@pytest.mark.parametrize("kind", ["functional", "subclassed"])
+def test_keras_mp_export_float32_for_cpu_serving(tmp_path, kind):
+    model = _trained("O3", "float16", kind)
+    weights = [w.copy() for w in model.get_weights()]
+    path = str(tmp_path / "served")
+    keras_mp.export(model, path, dtype="float32", verbose=False)
+
+    loaded, signature = _load(path)
+    assert sorted(loaded.signatures) == ["serve", "serving_default"]
+    _assert_float32_signature(signature)
+    # The artifact holds float32 weights and computes in float32.
+    assert {v.dtype.name for v in loaded.variables} == {"float32"}
+    if BACKEND == "tensorflow":
+        graph = signature.graph
+        half = [
+            op.name for op in graph.get_operations()
+            for t in op.outputs if t.dtype.name in ("float16", "bfloat16")
+        ]
+        assert half == []
+    x, _ = _data()
+    np.testing.assert_allclose(
+        _serve(signature, x), _reference_forward(model, x, kind), rtol=1e-5, atol=1e-6
+    )
+    for before, after in zip(weights, model.get_weights()):
+        np.testing.assert_array_equal(before, after)
+
+
+@needs_saved_model
+def test_keras_mp_export_in_bfloat16(tmp_path):
+    model = _trained("O2", "float16")
+    path = str(tmp_path / "served")
+    keras_mp.export(model, path, dtype="bfloat16", verbose=False)
+    loaded, signature = _load(path)
+    _assert_float32_signature(signature)
+    assert "bfloat16" in {v.dtype.name for v in loaded.variables}
+    x, _ = _data()
+    np.testing.assert_allclose(
+        _serve(signature, x), model.predict(x, verbose=0), rtol=5e-2, atol=2e-2
+    )
+
+
+@pytest.mark.parametrize("dtype", ["float64", "mixed_float16", 16, None])
+def test_export_rejects_unknown_dtype(tmp_path, dtype):
+    model = _trained("O2", "float16")
+    with pytest.raises(ValueError, match=r"`dtype` must be one of float32, float16, bfloat16.*Received: dtype="):
+        keras_mp.export(model, str(tmp_path / "x"), dtype=dtype)
+
+
+def test_export_rejects_non_models(tmp_path):
+    with pytest.raises(TypeError, match="Received: model="):
+        keras_mp.export("model.keras", str(tmp_path / "x"))
+    with pytest.raises(TypeError, match="`model` must be a `keras.Model`"):
+        keras_mp.serving_copy(keras.layers.Dense(2))
+    with pytest.raises(ValueError, match="must be built"):
+        keras_mp.serving_copy(Subclassed())
+
+
+@pytest.mark.skipif(BACKEND != "torch", reason="the PyTorch backend's limitation")
+def test_torch_says_how_to_export(tmp_path):
+    """From PyTorch: a clear error, and the workaround it names works."""
+    model = _trained("O2", "float16")
+    with pytest.raises(NotImplementedError, match="torch_xla.*KERAS_BACKEND=tensorflow"):
+        keras_mp.export(model, str(tmp_path / "x"))
+    keras_path = str(tmp_path / "model.keras")
+    model.save(keras_path)
+    x, _ = _data()
+    np.save(str(tmp_path / "x.npy"), x)
+    np.save(str(tmp_path / "expected.npy"), model.predict(x, verbose=0))
+    script = textwrap.dedent(
+        f"""
+        import numpy as np, keras, keras_mp, tensorflow as tf
+        keras_mp.export(keras.models.load_model({keras_path!r}), {str(tmp_path / 'served')!r}, verbose=False)
+        loaded = tf.saved_model.load({str(tmp_path / 'served')!r})
+        out = loaded.serve(tf.constant(np.load({str(tmp_path / 'x.npy')!r}))).numpy()
+        np.testing.assert_allclose(out, np.load({str(tmp_path / 'expected.npy')!r}), rtol=1e-2, atol=1e-3)
+        print("served", out.dtype)
+        """
+    )
+    env = dict(os.environ, KERAS_BACKEND="tensorflow")
+    result = subprocess.run(
+        [sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=300
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "served float32" in result.stdout
+
+
+@pytest.mark.skipif(BACKEND != "tensorflow", reason="run once, on the main backend")
+def test_export_example_runs(tmp_path):
+    example = os.path.join(os.path.dirname(__file__), "..", "examples", "export_savedmodel.py")
+    result = subprocess.run(
+        [sys.executable, example, "--out", str(tmp_path), "--epochs", "1"],
+        capture_output=True, text=True, timeout=300,
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert result.stdout.count("predicted classes:") == 2
+    assert os.path.exists(tmp_path / "model.keras")
