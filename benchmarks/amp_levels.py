@@ -82,7 +82,7 @@ def _compiled(keras, keras_mp, model_name, config):
     return model, shape
 
 
-def run_one_backend(rounds, batch, model_names):
+def run_one_backend(rounds, batch, model_names, configs=CONFIGS):
     import numpy as np
     import keras
 
@@ -92,7 +92,7 @@ def run_one_backend(rounds, batch, model_names):
     rows = []
     for model_name in model_names:
         models, data, unsupported = {}, {}, {}
-        for config in CONFIGS:
+        for config in configs:
             model, shape = _compiled(keras, keras_mp, model_name, config)
             try:
                 steps = _calibrated_steps(keras, model, shape, batch, 40, rng, budget_s=0.3)
@@ -104,7 +104,7 @@ def run_one_backend(rounds, batch, model_names):
             model.fit(x, y, batch_size=batch, epochs=1, verbose=0)
             models[config], data[config] = model, (x, y)
         timer = _steady_state_timer(keras)(skip=2)
-        runnable = tuple(c for c in CONFIGS if c in models)
+        runnable = tuple(c for c in configs if c in models)
         times = {c: [] for c in runnable}
         for r in range(rounds):
             for config in runnable if r % 2 == 0 else runnable[::-1]:
@@ -112,7 +112,7 @@ def run_one_backend(rounds, batch, model_names):
                 models[config].fit(x, y, batch_size=batch, epochs=1, verbose=0, callbacks=[timer])
                 times[config].append(timer.per_step)
         median = {c: statistics.median(t) for c, t in times.items()}
-        for config in CONFIGS:
+        for config in configs:
             if config in unsupported:
                 rows.append((keras.backend.backend(), model_name, config, None, unsupported[config]))
                 continue
@@ -140,19 +140,22 @@ def main():
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--batch", type=int, default=64)
     parser.add_argument("--models", nargs="+", default=list(MODELS), choices=MODELS)
+    parser.add_argument("--configs", nargs="+", default=list(CONFIGS), choices=CONFIGS, metavar="CONFIG",
+                        help="a subset of: " + ", ".join(repr(c) for c in CONFIGS) + " (O0 is always run)")
     args = parser.parse_args()
     if args.all:
         print(HEADER)
         for backend in args.backends:
             out = subprocess.run(
                 [sys.executable, __file__, "--rounds", str(args.rounds), "--batch", str(args.batch),
-                 "--models", *args.models],
+                 "--models", *args.models, "--configs", *args.configs],
                 env=dict(os.environ, KERAS_BACKEND=backend), capture_output=True, text=True, check=True,
             ).stdout
             print("\n".join(l for l in out.splitlines() if l.startswith((f"| {backend}", "#"))), flush=True)
         return
     print(HEADER)
-    for r in run_one_backend(args.rounds, args.batch, args.models):
+    configs = tuple(c for c in CONFIGS if c == "O0" or c in args.configs)
+    for r in run_one_backend(args.rounds, args.batch, args.models, configs):
         if r[3] is None:
             print(f"| {r[0]} | {r[1]} | {r[2]} | unsupported | {r[4]} |", flush=True)
         else:

@@ -10,10 +10,13 @@ The public API, in full (implementation lives in `keras_mp._src`):
 - `precision_summary(model)`: who computes in what, and why.
 - `compile(model, ..., amp_level=...)`; `import keras_mp` also adds the amp
   keywords to `keras.Model.compile` (and changes nothing else).
+- `callbacks.OverflowGuard(patience=...)`: stops a run whose steps keep
+  overflowing, with a message that says what to try.
 - `export(model, path, dtype="float32")`: a SavedModel of a copy computing in
   the precision it is served in; `serving_copy(model, dtype)` is that copy.
 """
 
+from keras_mp import callbacks
 from keras_mp._src.compile import compile
 from keras_mp._src.compile import install as _install_compile_keywords
 from keras_mp._src.export import export
@@ -38,6 +41,7 @@ __all__ = [
     "LEVELS",
     "LossScaleOptimizer",
     "apply_amp",
+    "callbacks",
     "compile",
     "export",
     "precision_summary",

@@ -33,7 +33,7 @@ def _snapshot(optimizer, variables):
 def test_public_names():
     assert set(keras_mp.__all__) == {
         "ALLOW_LIST", "DENY_LIST", "HALF_DTYPES", "LEVELS", "LossScaleOptimizer",
-        "apply_amp", "compile", "export", "precision_summary", "serving_copy",
+        "apply_amp", "callbacks", "compile", "export", "precision_summary", "serving_copy",
         "to_float",
     }
     for name in keras_mp.__all__:

@@ -171,7 +171,11 @@ def _compile_with_amp(self, *args, amp_level=None, amp_dtype=_DEFAULT, loss_scal
                 f"loss_scale={loss_scale!r}, "
                 f"keep_batchnorm_fp32={keep_batchnorm_fp32!r}"
             )
-        return _keras_compile(self, *args, **kwargs)
+        result = _keras_compile(self, *args, **kwargs)
+        # keras_mp's optimizer reports its loss scale in `fit`'s logs; a
+        # Keras optimizer leaves the step exactly as Keras builds it.
+        guard_train_step(self, guard=False)
+        return result
     level, dtype, loss_scale, keep_batchnorm_fp32 = resolve_amp(
         amp_level, amp_dtype, loss_scale, keep_batchnorm_fp32
     )

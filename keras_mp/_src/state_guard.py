@@ -1,64 +1,103 @@
-"""A skipped step keeps all model state, not only the trainable weights.
+"""The train step of a model compiled with keras_mp's LossScaleOptimizer.
 
-A batch with a NaN in it also writes NaN into BatchNorm's moving mean and
-variance during the forward pass, before any gradient exists. Under
-`compile(amp_level=...)` the train step is wrapped: the non-trainable
-variables are read before the step and put back when the LossScaleOptimizer
-skipped it. The decision is read from the optimizer's own `skipped_steps`
-(did it move?), on the device: a select per variable, no host sync.
+Two additions to Keras's own step, both computed on the device (no value is
+brought to the host):
+
+- Telemetry: the step's logs carry the optimizer's `loss_scale` and
+  `skipped_steps` after the step, so they appear in `fit`'s progress bar, in
+  `History` and in `keras.callbacks.TensorBoard`. They are device values like
+  the loss; Keras brings them to the host when it brings the loss.
+- The BatchNorm guard (under `compile(amp_level=...)`): a batch with a NaN in
+  it also writes NaN into BatchNorm's moving mean and variance during the
+  forward pass, before any gradient exists. The non-trainable variables are
+  read before the step and put back when the LossScaleOptimizer skipped it,
+  decided from the optimizer's own `skipped_steps` (did it move?): a select
+  per variable.
 """
 
 import keras
 from keras import ops
 
 _ORIGINAL = "_keras_mp_original_train_step"
+TELEMETRY_KEYS = ("loss_scale", "skipped_steps")
 
 
-def guard_train_step(model):
-    """Wraps `model.train_step` (idempotent); a no-op without a keras_mp LSO."""
+def guard_train_step(model, guard=True):
+    """Wraps `model.train_step` (idempotent); a no-op without a keras_mp LSO.
+
+    Args:
+        model: a compiled `keras.Model`.
+        guard: whether a skipped step also restores the non-trainable
+            variables (under `amp_level`); telemetry is always added.
+    """
     from keras_mp._src.loss_scale_optimizer import LossScaleOptimizer
 
     original = model.__dict__.get(_ORIGINAL) or model.train_step
-    optimizer = model.optimizer
-    if not isinstance(optimizer, LossScaleOptimizer) or not optimizer._config.checks_finite:
-        # Nothing is ever skipped: plain Keras step.
-        model.__dict__.pop("train_step", None)
+    optimizer = getattr(model, "optimizer", None)
+    if not isinstance(optimizer, LossScaleOptimizer):
+        # Not keras_mp's optimizer: the plain Keras step.
+        if _ORIGINAL in model.__dict__:
+            model.__dict__.pop("train_step", None)
+            model.__dict__.pop(_ORIGINAL, None)
+            model.train_function = None
         return
+    guard = guard and optimizer._config.checks_finite
     if keras.backend.backend() == "jax":
-        train_step = _jax_train_step(original, optimizer)
+        train_step = _jax_train_step(original, optimizer, guard)
     else:
-        train_step = _stateful_train_step(original, model, optimizer)
+        train_step = _stateful_train_step(original, model, optimizer, guard)
     object.__setattr__(model, _ORIGINAL, original)
     object.__setattr__(model, "train_step", train_step)
-    # Keras caches the compiled step; make it trace the guarded one.
+    # Keras caches the compiled step; make it trace the wrapped one.
     model.train_function = None
 
 
-def _stateful_train_step(original, model, optimizer):
+def _with_telemetry(logs, loss_scale, skipped_steps):
+    if not isinstance(logs, dict):
+        return logs  # a custom train_step's own return value: left as it is
+    logs = dict(logs)
+    logs["loss_scale"] = loss_scale
+    logs["skipped_steps"] = skipped_steps
+    return logs
+
+
+def _stateful_train_step(original, model, optimizer, guard):
     def train_step(data):
-        variables = model.non_trainable_variables
-        # Copies: on PyTorch `.value` is the parameter itself, updated in place.
-        before = [ops.copy(v.value) for v in variables]
-        skipped_before = ops.copy(optimizer.skipped_steps.value)
+        if guard:
+            variables = model.non_trainable_variables
+            # Copies: on PyTorch `.value` is the parameter itself, updated in place.
+            before = [ops.copy(v.value) for v in variables]
+            skipped_before = ops.copy(optimizer.skipped_steps.value)
         logs = original(data)
-        skipped = ops.not_equal(optimizer.skipped_steps.value, skipped_before)
-        for variable, old in zip(variables, before):
-            variable.assign(ops.where(skipped, old, variable.value))
-        return logs
+        if guard:
+            skipped = ops.not_equal(optimizer.skipped_steps.value, skipped_before)
+            for variable, old in zip(variables, before):
+                variable.assign(ops.where(skipped, old, variable.value))
+        # Copies: the values after this step, not a view of the variables.
+        return _with_telemetry(
+            logs,
+            ops.copy(optimizer.loss_scale.value),
+            ops.copy(optimizer.skipped_steps.value),
+        )
 
     return train_step
 
 
-def _jax_train_step(original, optimizer):
+def _jax_train_step(original, optimizer, guard):
     def train_step(state, data):
-        position = [id(v) for v in optimizer.variables].index(id(optimizer.skipped_steps))
+        ids = [id(v) for v in optimizer.variables]
+        scale_at = ids.index(id(optimizer.loss_scale))
+        skipped_at = ids.index(id(optimizer.skipped_steps))
         old_non_trainable = state[1]
         logs, new_state = original(state, data)
         trainable, non_trainable, optimizer_values, metrics = new_state
-        skipped = ops.not_equal(optimizer_values[position], state[2][position])
-        non_trainable = [
-            ops.where(skipped, old, new) for old, new in zip(old_non_trainable, non_trainable)
-        ]
+        if guard:
+            skipped = ops.not_equal(optimizer_values[skipped_at], state[2][skipped_at])
+            non_trainable = [
+                ops.where(skipped, old, new)
+                for old, new in zip(old_non_trainable, non_trainable)
+            ]
+        logs = _with_telemetry(logs, optimizer_values[scale_at], optimizer_values[skipped_at])
         return logs, (trainable, non_trainable, optimizer_values, metrics)
 
     return train_step

@@ -1,0 +1,159 @@
+"""`OverflowGuard`: stop a run whose steps keep overflowing, and say why."""
+
+import numbers
+
+import keras
+import numpy as np
+
+_HINTS = (
+    "Things to try: a lower learning rate, or gradient clipping on the inner "
+    "optimizer (e.g. `clipnorm=1.0`); check the data for NaN/inf; run "
+    "`keras_mp.analyze(model, x, y)` to see which layers overflow float16 and "
+    "keep them in float32 (`amp_level='O1'`, or `deny=[...]`); or train in "
+    "bfloat16 (`amp_dtype='bfloat16'`), which has float32's range."
+)
+
+
+def _value(x):
+    return np.asarray(keras.ops.convert_to_numpy(x)).item()
+
+
+class OverflowGuard(keras.callbacks.Callback):
+    """Stops training when steps keep being skipped for non-finite gradients.
+
+    A LossScaleOptimizer skips a step whose gradients overflow and backs the
+    scale off; a few such steps are routine. A long run of them means the
+    model itself produces inf/NaN (diverged weights, bad data, a layer that
+    overflows float16) and training makes no progress while looking busy.
+    The guard stops `fit` with a message saying how many steps were skipped
+    in a row, the loss scale, and what to try, when
+
+    - `patience` steps in a row were skipped, or
+    - a step was skipped with the dynamic scale already at `min_scale` (the
+      scale is pinned: it cannot back off any further).
+
+    It reads the optimizer's `skipped_steps` and `loss_scale` from the step's
+    logs one step late: the step before the current one has finished, so
+    reading it never holds up the device. Training therefore stops one step
+    after the step that triggered it (nothing is applied by skipped steps).
+
+    Args:
+        patience: int >= 1, the number of consecutive skipped steps to allow.
+        stop_at_min_scale: bool, whether a skipped step at `min_scale` stops
+            training at once.
+        verbose: 0 or 1; 1 prints the message when it stops training.
+
+    Attributes:
+        stopped_step: the step (counted from 0 in this `fit`) that triggered
+            the stop, or None.
+        message: the message, or None.
+    """
+
+    def __init__(self, patience=10, stop_at_min_scale=True, verbose=1):
+        super().__init__()
+        if not isinstance(patience, numbers.Integral) or isinstance(patience, bool) or patience < 1:
+            raise ValueError(
+                f"`patience` must be an integer >= 1 (consecutive skipped steps). "
+                f"Received: patience={patience!r}"
+            )
+        if not isinstance(stop_at_min_scale, bool):
+            raise TypeError(
+                f"`stop_at_min_scale` must be True or False. "
+                f"Received: stop_at_min_scale={stop_at_min_scale!r}"
+            )
+        if verbose not in (0, 1):
+            raise ValueError(f"`verbose` must be 0 or 1. Received: verbose={verbose!r}")
+        self.patience = int(patience)
+        self.stop_at_min_scale = stop_at_min_scale
+        self.verbose = verbose
+        self.stopped_step = None
+        self.message = None
+
+    def on_train_begin(self, logs=None):
+        from keras_mp._src.loss_scale_optimizer import LossScaleOptimizer
+
+        optimizer = getattr(self.model, "optimizer", None)
+        if not isinstance(optimizer, LossScaleOptimizer):
+            raise TypeError(
+                "OverflowGuard watches a keras_mp.LossScaleOptimizer: compile "
+                "the model with one (or with `amp_level=`). Received: "
+                f"optimizer={optimizer!r}"
+            )
+        if not optimizer._config.checks_finite:
+            raise ValueError(
+                "OverflowGuard needs an optimizer that skips overflowing steps; "
+                "this one applies every step unchecked (dynamic=False, "
+                "skip_on_overflow=False). Received: "
+                f"skip_on_overflow={optimizer.skip_on_overflow!r}"
+            )
+        self._optimizer = optimizer
+        self._last_skipped = _value(optimizer.skipped_steps)
+        self._last_scale = float(_value(optimizer.loss_scale))
+        self._streak = 0
+        self._step = 0
+        self._pending = []
+        self.stopped_step = None
+        self.message = None
+
+    def on_train_batch_end(self, batch, logs=None):
+        logs = logs or {}
+        if "skipped_steps" in logs and "loss_scale" in logs:
+            values = (logs["skipped_steps"], logs["loss_scale"])
+        else:  # A custom train_step without keras_mp's logs: the variables.
+            values = (
+                keras.ops.copy(self._optimizer.skipped_steps.value),
+                keras.ops.copy(self._optimizer.loss_scale.value),
+            )
+        self._pending.append((self._step,) + values)
+        self._step += 1
+        while len(self._pending) > 1:
+            self._check(*self._pending.pop(0))
+
+    def on_epoch_end(self, epoch, logs=None):
+        self._drain()
+
+    def on_train_end(self, logs=None):
+        self._drain()
+
+    def _drain(self):
+        while getattr(self, "_pending", None):
+            self._check(*self._pending.pop(0))
+
+    def _check(self, step, skipped_steps, loss_scale):
+        if self.stopped_step is not None:
+            return
+        skipped_steps = int(_value(skipped_steps))
+        loss_scale = float(_value(loss_scale))
+        new_skips = skipped_steps - self._last_skipped
+        scale_before, self._last_scale = self._last_scale, loss_scale
+        self._last_skipped = skipped_steps
+        self._streak = self._streak + new_skips if new_skips > 0 else 0
+        optimizer = self._optimizer
+        pinned = (
+            self.stop_at_min_scale
+            and optimizer.dynamic
+            and new_skips > 0
+            and scale_before <= optimizer.min_scale
+        )
+        if self._streak < self.patience and not pinned:
+            return
+        if pinned:
+            what = (
+                f"the loss scale is pinned at min_scale={optimizer.min_scale:g} "
+                f"and steps still overflow ({self._streak} skipped in a row)"
+            )
+        else:
+            what = (
+                f"{self._streak} steps in a row were skipped because their "
+                f"gradients were not finite (patience={self.patience}); the "
+                f"loss scale is {loss_scale:g}"
+                + (f" (min_scale={optimizer.min_scale:g})" if optimizer.dynamic else " (fixed)")
+            )
+        self.message = (
+            f"OverflowGuard stopped training at step {step}: {what}; "
+            f"{skipped_steps} steps skipped in all. {_HINTS}"
+        )
+        self.stopped_step = step
+        self.model.stop_training = True
+        if self.verbose:
+            keras.src.utils.io_utils.print_msg(self.message)

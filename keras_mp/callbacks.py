@@ -1,0 +1,5 @@
+"""Keras callbacks for mixed-precision training."""
+
+from keras_mp._src.callbacks import OverflowGuard
+
+__all__ = ["OverflowGuard"]

@@ -1,0 +1,212 @@
+"""Loss-scale telemetry in `fit`'s logs, and `OverflowGuard`.
+
+The logged values are checked step by step against the pure-Python reference
+state machine driven by the same finite/non-finite pattern, and at epoch ends
+against the optimizer's own variables.
+"""
+
+import glob
+import os
+
+import keras
+import numpy as np
+import pytest
+
+import keras_mp
+from keras_mp.callbacks import OverflowGuard
+from tests.reference import ReferenceLossScale
+
+BACKEND = keras.backend.backend()
+BATCH = 8
+STEPS = 6
+NAN_STEPS = (1, 4)
+
+
+def _value(x):
+    return np.asarray(keras.ops.convert_to_numpy(x)).item()
+
+
+def _data(nan_steps=NAN_STEPS):
+    rng = np.random.default_rng(0)
+    x = rng.normal(size=(STEPS * BATCH, 4)).astype("float32")
+    y = (x[:, :1] - x[:, 1:2]).astype("float32")
+    for step in nan_steps:
+        x[step * BATCH + 1, 2] = np.nan
+    return x, y
+
+
+def _model(optimizer=None, amp_level="O2", kernel=None):
+    keras.utils.set_random_seed(0)
+    initializer = "glorot_uniform" if kernel is None else keras.initializers.Constant(kernel)
+    model = keras.Sequential(
+        [
+            keras.Input((4,)),
+            keras.layers.Dense(8, kernel_initializer=initializer, name="hidden"),
+            keras.layers.Dense(1, kernel_initializer=initializer, name="out"),
+        ]
+    )
+    optimizer = optimizer or keras_mp.LossScaleOptimizer(
+        keras.optimizers.SGD(1e-2), initial_scale=2.0**4, dynamic_growth_steps=2
+    )
+    kwargs = {"amp_level": amp_level} if amp_level else {}
+    model.compile(optimizer=optimizer, loss="mse", **kwargs)
+    return model
+
+
+class _BatchLogs(keras.callbacks.Callback):
+    def __init__(self):
+        super().__init__()
+        self.batches = []
+        self.epochs = []
+
+    def on_train_batch_end(self, batch, logs=None):
+        self.batches.append((_value(logs["loss_scale"]), _value(logs["skipped_steps"])))
+
+    def on_epoch_end(self, epoch, logs=None):
+        optimizer = self.model.optimizer
+        self.epochs.append((_value(optimizer.loss_scale), _value(optimizer.skipped_steps)))
+
+
+def _reference_trace(epochs):
+    reference = ReferenceLossScale(initial_scale=2.0**4, dynamic_growth_steps=2)
+    trace = []
+    for _ in range(epochs):
+        for step in range(STEPS):
+            bad = [np.array([np.nan])] if step in NAN_STEPS else [np.array([1.0])]
+            reference.step(bad)
+            trace.append((float(reference.scale), reference.skipped_steps))
+    return trace
+
+
+@pytest.mark.parametrize("amp_level", ["O2", None])
+def test_logs_follow_the_state_machine_step_by_step(amp_level):
+    model = _model(amp_level=amp_level)
+    recorder = _BatchLogs()
+    x, y = _data()
+    history = model.fit(x, y, batch_size=BATCH, epochs=2, shuffle=False, verbose=0, callbacks=[recorder])
+    expected = _reference_trace(epochs=2)
+    assert recorder.batches == expected
+    # History and the epoch-end logs hold the optimizer's own state.
+    assert history.history["loss_scale"] == [scale for scale, _ in recorder.epochs]
+    assert history.history["skipped_steps"] == [skipped for _, skipped in recorder.epochs]
+    assert recorder.epochs == [expected[STEPS - 1], expected[-1]]
+
+
+def test_progress_bar_shows_the_loss_scale(capsys):
+    model = _model()
+    x, y = _data()
+    model.fit(x, y, batch_size=BATCH, epochs=1, shuffle=False, verbose=1)
+    out = capsys.readouterr().out
+    assert "loss_scale: 16.0000" in out
+    assert "skipped_steps: 2" in out
+
+
+def test_tensorboard_gets_the_scalars(tmp_path):
+    import tensorflow as tf
+
+    model = _model()
+    x, y = _data()
+    history = model.fit(
+        x, y, batch_size=BATCH, epochs=2, shuffle=False, verbose=0,
+        callbacks=[keras.callbacks.TensorBoard(str(tmp_path))],
+    )
+    scalars = {}
+    for path in glob.glob(os.path.join(str(tmp_path), "train", "events.out.tfevents.*")):
+        for event in tf.compat.v1.train.summary_iterator(path):
+            for value in event.summary.value:
+                if value.tag.startswith("epoch_"):
+                    scalars.setdefault(value.tag, []).append(float(tf.make_ndarray(value.tensor)))
+    assert scalars["epoch_loss_scale"] == history.history["loss_scale"]
+    assert scalars["epoch_skipped_steps"] == history.history["skipped_steps"]
+
+
+def test_plain_keras_optimizer_has_no_telemetry():
+    model = _model(optimizer=keras.optimizers.SGD(1e-2), amp_level=None)
+    x, y = _data(nan_steps=())
+    history = model.fit(x, y, batch_size=BATCH, epochs=1, verbose=0)
+    assert set(history.history) == {"loss"}
+    assert "train_step" not in model.__dict__
+
+
+# -- OverflowGuard ------------------------------------------------------------
+
+
+def test_guard_stops_a_diverged_model():
+    # Weights of 300 in float16: the hidden activations pass float16's 65504,
+    # every step overflows, whatever the scale.
+    model = _model(
+        optimizer=keras_mp.LossScaleOptimizer(keras.optimizers.SGD(1e-2), min_scale=2.0**-20),
+        kernel=300.0,
+    )
+    guard = OverflowGuard(patience=5, verbose=0)
+    x, y = _data(nan_steps=())
+    x *= 10
+    history = model.fit(x, y, batch_size=BATCH, epochs=10, shuffle=False, verbose=0, callbacks=[guard])
+    assert guard.stopped_step == 4  # the fifth skipped step in a row
+    assert model.stop_training
+    assert len(history.history["loss"]) == 1  # stopped in the first epoch
+    assert "5 steps in a row were skipped" in guard.message
+    assert "loss scale is 1024" in guard.message  # 2**15 halved 5 times
+    assert "keras_mp.analyze" in guard.message and "bfloat16" in guard.message
+    assert _value(model.optimizer.iterations) == 0  # nothing was applied
+
+
+def test_guard_stops_when_the_scale_is_pinned_at_min_scale(capsys):
+    model = _model(
+        optimizer=keras_mp.LossScaleOptimizer(keras.optimizers.SGD(1e-2), initial_scale=4.0, min_scale=1.0),
+        kernel=300.0,
+    )
+    guard = OverflowGuard(patience=100)
+    x, y = _data(nan_steps=())
+    x *= 10
+    model.fit(x, y, batch_size=BATCH, epochs=3, shuffle=False, verbose=0, callbacks=[guard])
+    # Scales 4 -> 2 -> 1 (steps 0 and 1), step 2 overflows at 1: pinned.
+    assert guard.stopped_step == 2
+    assert "pinned at min_scale=1" in guard.message
+    assert "OverflowGuard stopped training" in capsys.readouterr().out
+
+
+def test_guard_lets_a_healthy_run_with_occasional_skips_finish():
+    model = _model()
+    guard = OverflowGuard(patience=2)
+    x, y = _data()  # two isolated NaN batches per epoch
+    history = model.fit(x, y, batch_size=BATCH, epochs=3, shuffle=False, verbose=0, callbacks=[guard])
+    assert guard.stopped_step is None and guard.message is None
+    assert len(history.history["loss"]) == 3
+    assert history.history["skipped_steps"][-1] == 6
+
+
+def test_guard_counts_a_streak_across_epochs():
+    model = _model()
+    guard = OverflowGuard(patience=2, verbose=0)
+    x, y = _data(nan_steps=(0, 5))  # the last step of an epoch, then the first
+    model.fit(x, y, batch_size=BATCH, epochs=3, shuffle=False, verbose=0, callbacks=[guard])
+    assert guard.stopped_step == STEPS  # first step of the second epoch
+
+
+@pytest.mark.parametrize(
+    "kwargs, error, fragment",
+    [
+        ({"patience": 0}, ValueError, "patience=0"),
+        ({"patience": "3"}, ValueError, "patience='3'"),
+        ({"patience": True}, ValueError, "patience=True"),
+        ({"stop_at_min_scale": "yes"}, TypeError, "stop_at_min_scale='yes'"),
+        ({"verbose": 2}, ValueError, "verbose=2"),
+    ],
+)
+def test_guard_rejects_bad_arguments(kwargs, error, fragment):
+    with pytest.raises(error, match=fragment):
+        OverflowGuard(**kwargs)
+
+
+def test_guard_needs_keras_mp_optimizer():
+    model = _model(optimizer=keras.optimizers.SGD(), amp_level=None)
+    x, y = _data(nan_steps=())
+    with pytest.raises(TypeError, match="keras_mp.LossScaleOptimizer.*Received: optimizer="):
+        model.fit(x, y, verbose=0, callbacks=[OverflowGuard()])
+    unchecked = keras_mp.LossScaleOptimizer(
+        keras.optimizers.SGD(), dynamic=False, initial_scale=8.0, skip_on_overflow=False
+    )
+    model = _model(optimizer=unchecked, amp_level=None)
+    with pytest.raises(ValueError, match="skip_on_overflow=False"):
+        model.fit(x, y, verbose=0, callbacks=[OverflowGuard()])
