@@ -12,6 +12,9 @@ The public API, in full (implementation lives in `keras_mp._src`):
   keywords to `keras.Model.compile` (and changes nothing else).
 - `callbacks.OverflowGuard(patience=...)`: stops a run whose steps keep
   overflowing, with a message that says what to try.
+- `analyze(model, x, y)`: the precision doctor: activations against the half
+  range, gradient underflow/overflow at the current and the recommended loss
+  scale, layers to keep in float32.
 - `export(model, path, dtype="float32")`: a SavedModel of a copy computing in
   the precision it is served in; `serving_copy(model, dtype)` is that copy.
 """
@@ -19,6 +22,7 @@ The public API, in full (implementation lives in `keras_mp._src`):
 from keras_mp import callbacks
 from keras_mp._src.compile import compile
 from keras_mp._src.compile import install as _install_compile_keywords
+from keras_mp._src.doctor import analyze
 from keras_mp._src.export import export
 from keras_mp._src.export import serving_copy
 from keras_mp._src.levels import HALF_DTYPES
@@ -40,6 +44,7 @@ __all__ = [
     "HALF_DTYPES",
     "LEVELS",
     "LossScaleOptimizer",
+    "analyze",
     "apply_amp",
     "callbacks",
     "compile",

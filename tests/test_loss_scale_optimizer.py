@@ -32,7 +32,7 @@ def _snapshot(optimizer, variables):
 
 def test_public_names():
     assert set(keras_mp.__all__) == {
-        "ALLOW_LIST", "DENY_LIST", "HALF_DTYPES", "LEVELS", "LossScaleOptimizer",
+        "ALLOW_LIST", "DENY_LIST", "HALF_DTYPES", "LEVELS", "LossScaleOptimizer", "analyze",
         "apply_amp", "callbacks", "compile", "export", "precision_summary", "serving_copy",
         "to_float",
     }

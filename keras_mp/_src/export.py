@@ -9,6 +9,8 @@ copy of the model re-traced in the precision it will be served in, without
 touching the model being trained.
 """
 
+import warnings
+
 import keras
 from keras.src.export.export_utils import get_input_signature
 
@@ -60,7 +62,10 @@ def serving_copy(model, dtype="float32"):
             f"`model` must be built before it is exported (call it on a batch "
             f"of data, or `fit` it). Received: model={model.name!r}, unbuilt"
         )
-    config = keras.saving.serialize_keras_object(model)
+    with warnings.catch_warnings():
+        # Keras warns about lambdas in the compile config, dropped just below.
+        warnings.simplefilter("ignore", UserWarning)
+        config = keras.saving.serialize_keras_object(model)
     # A copy for serving: no optimizer, no loss, no amp compile.
     config.pop("compile_config", None)
     # The model's own classes, registered with Keras or not.

@@ -64,6 +64,7 @@ DENY_LIST = tuple(
 
 _RULE_ATTRIBUTE = "_keras_mp_rule"
 _CASTS_OUTPUTS_ATTRIBUTE = "_keras_mp_float32_outputs"
+_ENTRY_DTYPE_ATTRIBUTE = "_keras_mp_entry_dtype"
 
 
 def _matches(layer, entries):
@@ -144,25 +145,44 @@ def _output_layers(model):
     return tuple(layers)
 
 
-def _cast_outputs_to_float32(model):
-    """Makes a subclassed model's `call` return float32 (idempotent).
+def _cast_outputs_to_float32(model, entry_dtype):
+    """Makes a subclassed model's `call` take `entry_dtype` and return float32.
 
     Sequential and functional models get float32 outputs from float32 output
     layers; a subclassed model's `call` may end anywhere, so its floating
-    outputs are cast on the way out. The model's inputs stay float32 too (its
-    own policy is float32), so `model.export` gets a float32 serving
-    signature.
+    outputs are cast on the way out. Its own policy is float32, so its
+    inputs arrive in float32 (and `model.export` gets a float32 serving
+    signature); inside `call` they are cast to the level's `entry_dtype`, as
+    a mixed policy on the model would, so that raw ops in `call` (a residual
+    `x + attention(x)`) see the same dtype as the layers' outputs.
+    Idempotent; `entry_dtype` follows the latest level applied.
     """
+    object.__setattr__(model, _ENTRY_DTYPE_ATTRIBUTE, entry_dtype)
     if getattr(model, _CASTS_OUTPUTS_ATTRIBUTE, False):
         return
     call = model.call
 
     @functools.wraps(call)
     def call_with_float32_outputs(*args, **kwargs):
-        return keras.tree.map_structure(_to_float32, call(*args, **kwargs))
+        dtype = getattr(model, _ENTRY_DTYPE_ATTRIBUTE)
+        if dtype != "float32":
+            args, kwargs = keras.tree.map_structure(
+                lambda x: _cast_float(x, dtype), (args, kwargs)
+            )
+        outputs = call(*args, **kwargs)
+        return keras.tree.map_structure(_to_float32, outputs)
 
     object.__setattr__(model, "call", call_with_float32_outputs)
     object.__setattr__(model, _CASTS_OUTPUTS_ATTRIBUTE, True)
+
+
+def _cast_float(x, dtype):
+    """Casts a float32 tensor to `dtype`; anything else passes unchanged."""
+    if not (keras.ops.is_tensor(x) or isinstance(x, keras.KerasTensor)):
+        return x
+    if keras.backend.standardize_dtype(x.dtype) != "float32":
+        return x
+    return keras.ops.cast(x, dtype)
 
 
 def _to_float32(x):
@@ -286,9 +306,10 @@ def apply_amp(
             )
         decisions.append((layer, (policy, rule)))
     _set_policies(model, decisions)
+    entry_dtype = {"all": half, "deny": half}.get(level_spec.half_compute, "float32")
     for layer in outputs:
         if _is_subclassed(layer):
-            _cast_outputs_to_float32(layer)
+            _cast_outputs_to_float32(layer, entry_dtype)
     return model
 
 

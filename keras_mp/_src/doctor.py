@@ -1,0 +1,431 @@
+"""The precision doctor: what half precision does to a model's numbers.
+
+`analyze(model, x, y)` runs one batch through the model and reports, per
+layer, the largest activation against the half dtype's range, and the share
+of gradient values that float16 would flush to zero (underflow) or turn into
+inf (overflow) at the current loss scale and at the recommended one -- the
+gradient histogram of MindSpore's loss-scale tutorial, made a tool.
+
+Three passes over the batch:
+
+1. a forward pass in the model's own policy (what training computes: an
+   activation that overflows there shows up as non-finite);
+2. a forward pass of a float32 copy (`serving_copy`): the true magnitudes of
+   the activations, even where (1) overflowed;
+3. a forward and backward pass of that float32 copy: the true gradients, so
+   that values half precision would flush to zero are still seen and can be
+   counted at any loss scale.
+
+The model itself is not changed (no weights, no BatchNorm statistics, no
+optimizer state).
+"""
+
+import math
+
+import keras
+import numpy as np
+from keras.src.losses.losses import LossFunctionWrapper
+
+from keras_mp._src.export import serving_copy
+from keras_mp._src.levels import check_half_dtype
+from keras_mp._src.policies import DENY_LIST
+from keras_mp._src.policies import _check_model
+
+# Largest finite value and smallest positive (subnormal) value.
+HALF_RANGE = {
+    "float16": (65504.0, 2.0**-24),
+    "bfloat16": (3.3895313892515355e38, 2.0**-133),
+}
+# The recommended scale keeps the largest gradient this far below overflow.
+_HEADROOM = 2.0
+_MAX_RECOMMENDED_SCALE = 2.0**24
+# An activation above this share of the half dtype's maximum is flagged.
+_ACTIVATION_LIMIT = 0.5
+
+
+def underflow_share(values, scale, dtype="float16"):
+    """Share of the non-zero `values` that `dtype` flushes to zero once scaled.
+
+    A value underflows to zero when its scaled magnitude is below half the
+    dtype's smallest subnormal (it rounds to 0).
+    """
+    values = np.abs(np.asarray(values, dtype="float64")).ravel()
+    nonzero = values[values > 0]
+    if nonzero.size == 0:
+        return 0.0
+    tiny = HALF_RANGE[dtype][1]
+    return float(np.mean(nonzero * scale < tiny / 2))
+
+
+def overflow_share(values, scale, dtype="float16"):
+    """Share of `values` whose scaled magnitude passes `dtype`'s maximum."""
+    values = np.abs(np.asarray(values, dtype="float64")).ravel()
+    if values.size == 0:
+        return 0.0
+    return float(np.mean(values * scale > HALF_RANGE[dtype][0]))
+
+
+def recommended_loss_scale(gradients, dtype="float16"):
+    """The largest power of two that keeps every gradient value finite.
+
+    `max|g| * scale` stays a factor `_HEADROOM` below the dtype's maximum,
+    so as little as possible underflows without anything overflowing;
+    clamped to [1, 2**24]. bfloat16 has float32's range: 1 (no scaling).
+    """
+    if dtype == "bfloat16":
+        return 1.0
+    largest = max((float(np.max(np.abs(g))) for g in gradients if np.size(g)), default=0.0)
+    if not largest or not math.isfinite(largest):
+        return 1.0 if largest else _MAX_RECOMMENDED_SCALE
+    exponent = math.floor(math.log2(HALF_RANGE[dtype][0] / (_HEADROOM * largest)))
+    return float(min(max(2.0**exponent, 1.0), _MAX_RECOMMENDED_SCALE))
+
+
+class PrecisionReport(str):
+    """The doctor's table as text (print it), with the findings as data.
+
+    Attributes:
+        rows: one dict per layer (see `analyze`).
+        dtype: the half dtype analysed against.
+        current_loss_scale, recommended_loss_scale: floats.
+        keep_float32: names of the layers flagged to stay in float32.
+        gradients: `{variable path: float32 NumPy array}`, for your own plots.
+    """
+
+    rows = ()
+    dtype = "float16"
+    current_loss_scale = 1.0
+    recommended_loss_scale = 1.0
+    keep_float32 = ()
+    gradients = None
+
+    def plot(self, path=None):
+        """A histogram of gradient magnitudes against the half dtype's range.
+
+        Like MindSpore's loss-scale tutorial: log2 |g| of every gradient
+        value, with the underflow threshold at the current and at the
+        recommended loss scale. Needs matplotlib (not a dependency of
+        keras_mp).
+
+        Args:
+            path: optional file to save the figure to (e.g. "grads.png").
+
+        Returns:
+            The matplotlib `Figure`.
+        """
+        try:
+            import matplotlib
+
+            if path is not None:
+                matplotlib.use("Agg", force=False)
+            import matplotlib.pyplot as plt
+        except ImportError as e:
+            raise ImportError(
+                "PrecisionReport.plot needs matplotlib: `pip install matplotlib`."
+            ) from e
+        values = np.concatenate([np.abs(g).ravel() for g in self.gradients.values()] or [np.zeros(0)])
+        values = values[values > 0]
+        figure, axis = plt.subplots(figsize=(8, 4))
+        axis.hist(np.log2(values), bins=80, color="tab:blue", alpha=0.8)
+        largest, tiny = HALF_RANGE[self.dtype]
+        for scale, style, label in (
+            (self.current_loss_scale, "--", "current"),
+            (self.recommended_loss_scale, "-", "recommended"),
+        ):
+            axis.axvline(math.log2(tiny / 2 / scale), color="tab:red", linestyle=style,
+                         label=f"{self.dtype} underflow at {label} scale {scale:g}")
+            axis.axvline(math.log2(largest / scale), color="tab:orange", linestyle=style,
+                         label=f"{self.dtype} overflow at {label} scale {scale:g}")
+        axis.set_xlabel("log2 |gradient| (float32 values)")
+        axis.set_ylabel("count")
+        axis.set_title("Gradient magnitudes against the half-precision range")
+        axis.legend(fontsize="small")
+        figure.tight_layout()
+        if path is not None:
+            figure.savefig(path)
+        return figure
+
+
+def analyze(
+    model,
+    x,
+    y=None,
+    loss=None,
+    dtype=None,
+    loss_scale=None,
+    sample_weight=None,
+    print_fn=print,
+):
+    """Checks a model's activations and gradients against half precision.
+
+    Args:
+        model: a `keras.Model` (built, or built by this call).
+        x, y: one batch of inputs and targets (what `fit` would get).
+        loss: the loss; default: the model's compiled loss.
+        dtype: the half dtype to check against; default: the one the model
+            computes in, or `"float16"` for a float32 model (to plan a switch).
+        loss_scale: the scale to evaluate; default: the model's
+            LossScaleOptimizer's current scale, else 1.
+        sample_weight: optional, as in `fit`.
+        print_fn: called with the report's text (default `print`); None to
+            stay silent.
+
+    Returns:
+        A `PrecisionReport`: the table as text, with `.rows` (one dict per
+        layer: `layer`, `class`, `compute_dtype`, `max_activation` (float32
+        pass), `activation_share_of_max`, `finite_in_policy`,
+        `gradient_values`, `max_gradient`, `underflow_current`,
+        `underflow_recommended`, `overflow_current`, `overflow_recommended`,
+        `keep_float32`, `reason`), `.recommended_loss_scale`,
+        `.current_loss_scale`, `.keep_float32`, `.gradients` and `.plot()`.
+    """
+    _check_model(model)
+    if not isinstance(model, keras.Model):
+        raise TypeError(
+            f"`model` must be a `keras.Model`. Received: model={model!r} "
+            f"of type {type(model).__name__}"
+        )
+    if y is None:
+        raise ValueError(
+            "`y` is needed: the doctor measures the gradients of the loss. "
+            "Received: y=None"
+        )
+    if not model.built:
+        model(x)
+    layers = [
+        layer
+        for layer in model._flatten_layers(include_self=False, recursive=True)
+        if not isinstance(layer, (keras.Model, keras.layers.InputLayer))
+    ]
+    half = _half_dtype(layers, dtype)
+    scale = _current_scale(model, loss_scale)
+    loss_fn = _loss(model, loss)
+
+    in_policy = _record_activations(model, layers, x)
+    copy = serving_copy(model, "float32")
+    copy_layers = [
+        layer
+        for layer in copy._flatten_layers(include_self=False, recursive=True)
+        if not isinstance(layer, (keras.Model, keras.layers.InputLayer))
+    ]
+    in_float32 = _record_activations(copy, copy_layers, x)
+    gradients = _float32_gradients(copy, x, y, loss_fn, sample_weight)
+    by_variable = {
+        id(v): np.asarray(keras.ops.convert_to_numpy(g), dtype="float32")
+        for v, g in zip(model.trainable_variables, gradients)
+    }
+    recommended = recommended_loss_scale(list(by_variable.values()), half)
+    largest = HALF_RANGE[half][0]
+
+    rows = []
+    for layer, twin in zip(layers, copy_layers):
+        max_act = in_float32.get(id(twin), (None, True))[0]
+        finite = in_policy.get(id(layer), (None, True))[1]
+        own = [v for v in layer._trainable_variables if id(v) in by_variable]
+        grads = [by_variable[id(v)] for v in own]
+        values = np.concatenate([g.ravel() for g in grads]) if grads else np.zeros(0, "float32")
+        reasons = []
+        if max_act is not None and max_act > _ACTIVATION_LIMIT * largest:
+            reasons.append(
+                f"activations reach {max_act:.3g}, "
+                f"{max_act / largest:.0%} of {half}'s maximum {largest:g}"
+            )
+        if not finite:
+            reasons.append(f"not finite when computed in {layer.compute_dtype}")
+        if isinstance(layer, DENY_LIST) and layer.compute_dtype in HALF_RANGE:
+            reasons.append("a normalisation/softmax computing in half")
+        rows.append(
+            {
+                "layer": layer.path if getattr(layer, "path", None) else layer.name,
+                "class": type(layer).__name__,
+                "compute_dtype": layer.compute_dtype,
+                "max_activation": max_act,
+                "activation_share_of_max": None if max_act is None else max_act / largest,
+                "finite_in_policy": finite,
+                "gradient_values": int(values.size),
+                "max_gradient": float(np.max(np.abs(values))) if values.size else None,
+                "underflow_current": underflow_share(values, scale, half) if values.size else None,
+                "underflow_recommended": underflow_share(values, recommended, half) if values.size else None,
+                "overflow_current": overflow_share(values, scale, half) if values.size else None,
+                "overflow_recommended": overflow_share(values, recommended, half) if values.size else None,
+                "keep_float32": bool(reasons),
+                "reason": "; ".join(reasons),
+            }
+        )
+
+    all_values = [g for g in by_variable.values()]
+    report = PrecisionReport(_render(rows, half, scale, recommended, all_values))
+    report.rows = rows
+    report.dtype = half
+    report.current_loss_scale = scale
+    report.recommended_loss_scale = recommended
+    report.keep_float32 = [r["layer"] for r in rows if r["keep_float32"]]
+    report.gradients = {
+        v.path: by_variable[id(v)] for v in model.trainable_variables
+    }
+    if print_fn is not None:
+        print_fn(report)
+    return report
+
+
+def _half_dtype(layers, dtype):
+    if dtype is not None:
+        return check_half_dtype(dtype, "dtype")
+    for layer in layers:
+        if layer.compute_dtype in HALF_RANGE:
+            return layer.compute_dtype
+    return "float16"
+
+
+def _current_scale(model, loss_scale):
+    if loss_scale is not None:
+        if isinstance(loss_scale, bool) or not isinstance(loss_scale, (int, float)) or not (
+            0 < loss_scale < float("inf")
+        ):
+            raise ValueError(
+                "`loss_scale` must be a positive finite number or None (the "
+                f"model's current scale). Received: loss_scale={loss_scale!r}"
+            )
+        return float(loss_scale)
+    optimizer = getattr(model, "optimizer", None)
+    if isinstance(optimizer, keras.optimizers.LossScaleOptimizer):
+        return float(np.asarray(keras.ops.convert_to_numpy(optimizer.dynamic_scale)))
+    return 1.0
+
+
+def _loss(model, loss):
+    if loss is None:
+        loss = getattr(model, "loss", None)
+        if loss is None:
+            raise ValueError(
+                "`loss` is needed: the model is not compiled with a loss. "
+                "Pass e.g. loss='sparse_categorical_crossentropy'. Received: loss=None"
+            )
+    if isinstance(loss, (list, tuple, dict)):
+        raise ValueError(
+            "The doctor takes one loss (a single-output model). Pass `loss=` "
+            f"explicitly. Received: loss={loss!r}"
+        )
+    loss = keras.losses.get(loss)
+    if not isinstance(loss, keras.losses.Loss):
+        # A plain function of (y_true, y_pred): reduced as `compile` does.
+        loss = LossFunctionWrapper(loss)
+    return loss
+
+
+def _record_activations(model, layers, x):
+    """{id(layer): (max |output| as float, all finite)} for one forward pass."""
+    seen = {}
+    saved = []
+
+    def recorder(layer, call):
+        def call_and_record(*args, **kwargs):
+            outputs = call(*args, **kwargs)
+            for out in keras.tree.flatten(outputs):
+                if not hasattr(out, "dtype") or not keras.backend.is_float_dtype(
+                    keras.backend.standardize_dtype(out.dtype)
+                ):
+                    continue
+                out32 = keras.ops.cast(out, "float32")
+                finite = keras.ops.isfinite(out32)
+                magnitude = keras.ops.where(finite, keras.ops.abs(out32), 0.0)
+                peak = float(np.asarray(keras.ops.convert_to_numpy(keras.ops.max(magnitude))))
+                ok = bool(np.asarray(keras.ops.convert_to_numpy(keras.ops.all(finite))))
+                old_peak, old_ok = seen.get(id(layer), (0.0, True))
+                seen[id(layer)] = (max(old_peak, peak), old_ok and ok)
+            return outputs
+
+        return call_and_record
+
+    for layer in layers:
+        saved.append((layer, layer.__dict__.get("call")))
+        object.__setattr__(layer, "call", recorder(layer, layer.call))
+    try:
+        model(x, training=False)
+    finally:
+        for layer, previous in saved:
+            if previous is None:
+                del layer.__dict__["call"]
+            else:
+                object.__setattr__(layer, "call", previous)
+    return seen
+
+
+def _float32_gradients(model, x, y, loss_fn, sample_weight):
+    backend = keras.backend.backend()
+    variables = model.trainable_variables
+    if backend == "tensorflow":
+        import tensorflow as tf
+
+        with tf.GradientTape() as tape:
+            loss = loss_fn(y, model(x, training=True), sample_weight)
+        return tape.gradient(loss, variables)
+    if backend == "jax":
+        import jax
+
+        non_trainable = [v.value for v in model.non_trainable_variables]
+
+        def compute(trainable):
+            # `stateless_call` hands its keywords to `call` as they are.
+            kwargs = {"training": True} if model._call_has_training_arg else {}
+            y_pred, _ = model.stateless_call(trainable, non_trainable, x, **kwargs)
+            return loss_fn(y, y_pred, sample_weight)
+
+        return jax.grad(compute)([v.value for v in variables])
+    if backend == "torch":
+        for v in variables:
+            v.value.grad = None
+        loss = loss_fn(y, model(x, training=True), sample_weight)
+        loss.backward()
+        return [v.value.grad.detach() for v in variables]
+    raise NotImplementedError(f"keras_mp.analyze does not support the {backend} backend.")
+
+
+def _percent(share):
+    if share is None:
+        return "-"
+    if share == 0:
+        return "0%"
+    return f"{share:.1%}" if share >= 0.001 else "<0.1%"
+
+
+def _render(rows, half, scale, recommended, gradients):
+    headers = (
+        "Layer", "Class", "Compute", "Max |act|", f"% of {half} max",
+        f"Underflow @{scale:g} (now)", f"Underflow @{recommended:g} (rec.)",
+        f"Overflow @{scale:g} (now)", f"Overflow @{recommended:g} (rec.)", "Note",
+    )
+    table = []
+    for r in rows:
+        table.append(
+            (
+                r["layer"], r["class"], r["compute_dtype"],
+                "-" if r["max_activation"] is None else f"{r['max_activation']:.3g}",
+                "-" if r["activation_share_of_max"] is None else _percent(r["activation_share_of_max"]),
+                _percent(r["underflow_current"]), _percent(r["underflow_recommended"]),
+                _percent(r["overflow_current"]), _percent(r["overflow_recommended"]),
+                ("keep float32: " + r["reason"]) if r["keep_float32"] else "",
+            )
+        )
+    widths = [max([len(h)] + [len(row[i]) for row in table]) for i, h in enumerate(headers)]
+    lines = ["  ".join(h.ljust(w) for h, w in zip(headers, widths)).rstrip()]
+    lines.append("-" * len(lines[0]))
+    lines += ["  ".join(c.ljust(w) for c, w in zip(row, widths)).rstrip() for row in table]
+    values = [np.abs(g).ravel() for g in gradients]
+    values = np.concatenate(values) if values else np.zeros(0)
+    lines.append("")
+    lines.append(
+        f"Gradients (float32 pass, {values.size} values): underflow to zero in {half} "
+        f"{_percent(underflow_share(values, scale, half))} at the current loss scale {scale:g}, "
+        f"{_percent(underflow_share(values, recommended, half))} at the recommended {recommended:g}; "
+        f"overflow {_percent(overflow_share(values, scale, half))} / "
+        f"{_percent(overflow_share(values, recommended, half))}."
+    )
+    lines.append(f"Recommended initial loss scale: {recommended:g}"
+                 + (" (bfloat16 has float32's range: no loss scaling needed)." if half == "bfloat16" else
+                    f" (2**{int(math.log2(recommended))})."))
+    flagged = [r["layer"] for r in rows if r["keep_float32"]]
+    lines.append(
+        "Keep in float32: " + (", ".join(flagged) + " (see Note)." if flagged else "none flagged.")
+    )
+    return "\n".join(lines)
