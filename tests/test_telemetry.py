@@ -90,15 +90,20 @@ def test_logs_follow_the_state_machine_step_by_step(amp_level):
     assert history.history["loss_scale"] == [scale for scale, _ in recorder.epochs]
     assert history.history["skipped_steps"] == [skipped for _, skipped in recorder.epochs]
     assert recorder.epochs == [expected[STEPS - 1], expected[-1]]
+    # Under amp_level a skipped batch is not averaged into the epoch's loss;
+    # a plain compile keeps Keras's metrics as they are (NaN included).
+    assert np.all(np.isfinite(history.history["loss"])) == (amp_level is not None)
 
 
 def test_progress_bar_shows_the_loss_scale(capsys):
     model = _model()
     x, y = _data()
     model.fit(x, y, batch_size=BATCH, epochs=1, shuffle=False, verbose=1)
-    out = capsys.readouterr().out
-    assert "loss_scale: 16.0000" in out
-    assert "skipped_steps: 2" in out
+    final = capsys.readouterr().out.strip().split("\r")[-1]
+    # After the epoch (reference: 16, 8 at the NaN step, 16, 8 again, then one
+    # clean step).
+    assert "loss_scale: 8.0000" in final
+    assert "skipped_steps: 2" in final
 
 
 def test_tensorboard_gets_the_scalars(tmp_path):

@@ -12,7 +12,8 @@ brought to the host):
   forward pass, before any gradient exists. The non-trainable variables are
   read before the step and put back when the LossScaleOptimizer skipped it,
   decided from the optimizer's own `skipped_steps` (did it move?): a select
-  per variable.
+  per variable. The metrics' variables are kept too, so the NaN loss of a
+  skipped batch does not turn the epoch's mean loss into NaN.
 """
 
 import keras
@@ -64,7 +65,9 @@ def _with_telemetry(logs, loss_scale, skipped_steps):
 def _stateful_train_step(original, model, optimizer, guard):
     def train_step(data):
         if guard:
-            variables = model.non_trainable_variables
+            # The model's state and the metrics' (a skipped batch's NaN
+            # predictions are not averaged into the epoch's loss either).
+            variables = model.non_trainable_variables + model.metrics_variables
             # Copies: on PyTorch `.value` is the parameter itself, updated in place.
             before = [ops.copy(v.value) for v in variables]
             skipped_before = ops.copy(optimizer.skipped_steps.value)
@@ -96,6 +99,9 @@ def _jax_train_step(original, optimizer, guard):
             non_trainable = [
                 ops.where(skipped, old, new)
                 for old, new in zip(old_non_trainable, non_trainable)
+            ]
+            metrics = [
+                ops.where(skipped, old, new) for old, new in zip(state[3], metrics)
             ]
         logs = _with_telemetry(logs, optimizer_values[scale_at], optimizer_values[skipped_at])
         return logs, (trainable, non_trainable, optimizer_values, metrics)
