@@ -122,7 +122,7 @@ def test_model_export_serves_float32(tmp_path, level, dtype, kind):
 @pytest.mark.skipif(BACKEND != "tensorflow", reason="tf.saved_model.save takes TensorFlow objects")
 @pytest.mark.parametrize("kind", ["functional", "subclassed"])
 @pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
-@pytest.mark.parametrize("level", ["O2", "O3"])
+@pytest.mark.parametrize("level", ["O1", "O2", "O3"])
 def test_tf_saved_model_save(tmp_path, level, dtype, kind):
     tf = _tf()
     model = _trained(level, dtype, kind)

@@ -172,6 +172,7 @@ def _compile_with_amp(self, *args, amp_level=None, amp_dtype=_DEFAULT, loss_scal
                 f"keep_batchnorm_fp32={keep_batchnorm_fp32!r}"
             )
         result = _keras_compile(self, *args, **kwargs)
+        _check_distribution(self)
         # keras_mp's optimizer reports its loss scale in `fit`'s logs; a
         # Keras optimizer leaves the step exactly as Keras builds it.
         guard_train_step(self, guard=False)
@@ -190,6 +191,7 @@ def _compile_with_amp(self, *args, amp_level=None, amp_dtype=_DEFAULT, loss_scal
     # keras_mp decides about loss scaling; Keras must not wrap a second time.
     arguments["auto_scale_loss"] = False
     result = _keras_compile(self, **arguments)
+    _check_distribution(self)
     self._compile_config.config.update(
         amp_level=level,
         amp_dtype=dtype,
@@ -198,6 +200,23 @@ def _compile_with_amp(self, *args, amp_level=None, amp_dtype=_DEFAULT, loss_scal
     )
     guard_train_step(self)
     return result
+
+
+def _check_distribution(model):
+    """Refuses XLA across tf.distribute replicas at compile time, not mid-fit."""
+    if keras.backend.backend() != "tensorflow" or model.jit_compile is not True:
+        return
+    if not isinstance(model.optimizer, LossScaleOptimizer):
+        return
+    strategy = getattr(model, "_distribute_strategy", None)
+    if strategy is not None and strategy.num_replicas_in_sync > 1:
+        from keras_mp._src.loss_scale_optimizer import XLA_ACROSS_REPLICAS_MESSAGE
+
+        raise ValueError(
+            XLA_ACROSS_REPLICAS_MESSAGE
+            + f" Received: jit_compile=True with {type(strategy).__name__} "
+            f"({strategy.num_replicas_in_sync} replicas)"
+        )
 
 
 def install():

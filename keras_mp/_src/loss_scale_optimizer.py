@@ -298,6 +298,7 @@ class LossScaleOptimizer(_KerasLossScaleOptimizer):
 
         if tf.distribute.in_cross_replica_context():
             raise ValueError("apply() must be called in a replica context.")
+        _check_not_xla_across_replicas()
         state = self._state()
 
         def apply_inner():
@@ -318,7 +319,7 @@ class LossScaleOptimizer(_KerasLossScaleOptimizer):
         if not self._config.checks_finite:
             on_finite()
             return
-        finite = self.check_finite(grads)
+        finite = _all_replicas_agree(self.check_finite(grads))
         if tf.__internal__.distribute.strategy_supports_no_merge_call():
             # Inside each branch the outcome is known, so `update` builds
             # only that outcome's few ops.
@@ -326,17 +327,27 @@ class LossScaleOptimizer(_KerasLossScaleOptimizer):
             return
         # The inner optimizer calls `merge_call`, which a `cond` in a replica
         # context cannot contain: take the decision in the cross-replica
-        # context, as Keras's built-in does.
-        def cross_replica(distribution, finite):
+        # context, as Keras's built-in does. Each replica's own (unscaled)
+        # gradients travel through `merge_call`'s arguments, so that every
+        # replica applies its own, and the inner optimizer all-reduces them.
+        unscaled = self._unscaled(grads, trainable_variables, state.scale, unscaled_by_caller)
+
+        def apply_replica_grads(replica_grads):
+            self.inner_optimizer.apply(list(replica_grads), trainable_variables)
+
+        def cross_replica(distribution, finite, per_replica_grads):
+            # Every replica holds the same global decision: take the first.
             finite = distribution.experimental_local_results(finite)[0]
 
             def apply_fn():
-                distribution.extended.call_for_each_replica(apply_inner)
+                distribution.extended.call_for_each_replica(
+                    apply_replica_grads, args=(per_replica_grads,)
+                )
 
             tf.cond(finite, apply_fn, lambda: None)
 
         tf.distribute.get_replica_context().merge_call(
-            cross_replica, args=(finite,)
+            cross_replica, args=(finite, tuple(unscaled))
         )
         self._assign_state(state, update(state, finite, self._config))
 
@@ -520,6 +531,54 @@ class LossScaleOptimizer(_KerasLossScaleOptimizer):
             config.pop("inner_optimizer"), custom_objects=custom_objects
         )
         return cls(inner_optimizer, **config)
+
+
+def _all_replicas_agree(finite):
+    """The step is finite only if it is finite on every replica (TensorFlow).
+
+    Under a `tf.distribute` strategy each replica sees its own gradients
+    before the inner optimizer all-reduces them: a NaN on one replica must
+    skip the step on all of them, and every replica must update its copy of
+    the loss-scale state the same way, or the replicas silently diverge.
+    One all-reduce of a scalar; nothing outside a strategy.
+    """
+    import tensorflow as tf
+
+    if not tf.distribute.has_strategy() or tf.distribute.in_cross_replica_context():
+        return finite
+    context = tf.distribute.get_replica_context()
+    if context is None or context.num_replicas_in_sync == 1:
+        return finite
+    bad = context.all_reduce(
+        tf.distribute.ReduceOp.SUM, tf.cast(tf.logical_not(finite), "float32")
+    )
+    return tf.equal(bad, 0.0)
+
+
+XLA_ACROSS_REPLICAS_MESSAGE = (
+    "keras_mp.LossScaleOptimizer cannot run in an XLA-compiled step "
+    "(`jit_compile=True`) under a tf.distribute strategy with more than one "
+    "replica: the decision to skip a step is taken across replicas, in "
+    "TensorFlow's cross-replica context (`merge_call`), which XLA-compiled "
+    "functions do not support (Keras's built-in LossScaleOptimizer crashes there with a `merge_call` "
+    "RuntimeError, keras-team/keras#21366; Keras itself turns XLA off under "
+    "tf.distribute with jit_compile='auto'). Workarounds: compile with "
+    "`jit_compile=False` (or 'auto'); or use the JAX backend with "
+    "`keras.distribution.DataParallel`, where the whole step, skip included, "
+    "is compiled by XLA."
+)
+
+
+def _check_not_xla_across_replicas():
+    import tensorflow as tf
+
+    from keras_mp._src.backend_ops import _in_tf_xla_context
+
+    if not tf.distribute.has_strategy() or not _in_tf_xla_context():
+        return
+    context = tf.distribute.get_replica_context()
+    if context is not None and context.num_replicas_in_sync > 1:
+        raise RuntimeError(XLA_ACROSS_REPLICAS_MESSAGE)
 
 
 def _check_inner_only_arguments(kwargs):

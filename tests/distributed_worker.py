@@ -1,0 +1,319 @@
+"""Distributed scenarios, each run in a fresh process by tests/test_distributed.py.
+
+Devices must be configured before the framework starts (two logical CPU
+devices for TensorFlow, `--xla_force_host_platform_device_count=2` for JAX),
+so every scenario is its own process:
+
+    KERAS_BACKEND=tensorflow python tests/distributed_worker.py tf_fit
+    KERAS_BACKEND=jax python tests/distributed_worker.py jax_data_parallel
+
+Each scenario compares a run on two replicas against a single-device run on
+the same global batches, in the same process, and exits non-zero (with the
+assertion) when they differ. The data puts a NaN in the first half of one
+global batch: only replica 0 sees it, and the step must be skipped everywhere.
+"""
+
+import os
+import sys
+
+SCENARIO = sys.argv[1]
+if SCENARIO.startswith("jax"):
+    os.environ["XLA_FLAGS"] = (
+        os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=2"
+    )
+os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+
+import numpy as np  # noqa: E402
+
+if SCENARIO.startswith("tf"):
+    import tensorflow as tf
+
+    if "TF_CONFIG" not in os.environ:  # multi-worker: one device per worker
+        (cpu,) = tf.config.list_physical_devices("CPU")
+        tf.config.set_logical_device_configuration(
+            cpu, [tf.config.LogicalDeviceConfiguration()] * 2
+        )
+
+import keras  # noqa: E402
+
+import keras_mp  # noqa: E402
+
+GLOBAL_BATCH = 16
+STEPS = 6
+NAN_STEP = 2
+
+
+def data():
+    rng = np.random.default_rng(0)
+    x = rng.normal(size=(STEPS * GLOBAL_BATCH, 6)).astype("float32")
+    y = (x[:, :1] * 0.5 - x[:, 1:2]).astype("float32")
+    x[NAN_STEP * GLOBAL_BATCH + 3, 2] = np.nan  # first half: replica 0 only
+    return x, y
+
+
+def build():
+    keras.utils.set_random_seed(0)
+    return keras.Sequential(
+        [
+            keras.Input((6,)),
+            keras.layers.Dense(16, activation="relu", name="hidden"),
+            keras.layers.Dense(1, name="out"),
+        ]
+    )
+
+
+def lso():
+    return keras_mp.LossScaleOptimizer(
+        keras.optimizers.SGD(0.05, momentum=0.9), initial_scale=2.0**8, dynamic_growth_steps=2
+    )
+
+
+def compiled(amp_level):
+    model = build()
+    model.compile(optimizer=lso(), loss="mse", amp_level=amp_level)
+    return model
+
+
+def numpy(x):
+    return np.asarray(keras.ops.convert_to_numpy(x))
+
+
+def state(model, opt=None):
+    opt = opt or model.optimizer
+    return {
+        "weights": [numpy(w) for w in model.weights],
+        "loss_scale": float(numpy(opt.loss_scale)),
+        "good_steps": int(numpy(opt.good_steps)),
+        "skipped_steps": int(numpy(opt.skipped_steps)),
+        "iterations": int(numpy(opt.iterations)),
+    }
+
+
+def assert_same(actual, expected, rtol):
+    for key in ("loss_scale", "good_steps", "skipped_steps", "iterations"):
+        assert actual[key] == expected[key], (key, actual[key], expected[key])
+    for a, e in zip(actual["weights"], expected["weights"]):
+        np.testing.assert_allclose(a, e, rtol=rtol, atol=rtol)
+
+
+def assert_replicas_agree(strategy, model, opt=None):
+    """Every replica holds the same loss-scale state and weights."""
+    opt = opt or model.optimizer
+    for variable in [opt.loss_scale, opt.good_steps, opt.skipped_steps] + model.weights:
+        copies = [numpy(c) for c in strategy.experimental_local_results(variable.value)]
+        assert len(copies) == strategy.num_replicas_in_sync == 2
+        for c in copies[1:]:
+            np.testing.assert_array_equal(c, copies[0], err_msg=variable.path)
+
+
+# -- TensorFlow -----------------------------------------------------------------
+
+
+def mirrored():
+    strategy = tf.distribute.MirroredStrategy(["/cpu:0", "/cpu:1"])
+    assert strategy.num_replicas_in_sync == 2
+    return strategy
+
+
+def tf_fit():
+    """`model.fit` at O0 (exact) and O2 (float16) under MirroredStrategy."""
+    x, y = data()
+    for amp_level, rtol in (("O0", 1e-5), ("O2", 2e-2)):
+        single = compiled(amp_level)
+        single.fit(x, y, batch_size=GLOBAL_BATCH, epochs=2, shuffle=False, verbose=0)
+        strategy = mirrored()
+        with strategy.scope():
+            model = compiled(amp_level)
+        history = model.fit(x, y, batch_size=GLOBAL_BATCH, epochs=2, shuffle=False, verbose=0)
+        assert_replicas_agree(strategy, model)
+        expected = state(single)
+        assert expected["skipped_steps"] == 2, expected  # the NaN batch, each epoch
+        assert_same(state(model), expected, rtol)
+        assert history.history["skipped_steps"] == [1.0, 2.0], history.history
+        assert history.history["loss_scale"][-1] == expected["loss_scale"]
+        print(f"tf_fit {amp_level}: ok", state(model)["loss_scale"], expected["skipped_steps"])
+
+
+def _custom_loop(strategy):
+    """Trains with `scale_loss` + `apply`; on `strategy`, or on one device."""
+    x, y = data()
+    mse = keras.losses.MeanSquaredError(reduction=None)
+    dataset = tf.data.Dataset.from_tensor_slices((x, y)).batch(GLOBAL_BATCH)
+    scope = strategy.scope() if strategy else tf.distribute.get_strategy().scope()
+    with scope:
+        model = build()
+        optimizer = lso()
+        # Variables are created in the strategy's scope, before tracing.
+        optimizer.build(model.trainable_variables)
+
+    def replica_step(xb, yb):
+        with tf.GradientTape() as tape:
+            per_example = mse(yb, model(xb, training=True))
+            loss = tf.reduce_sum(per_example) / GLOBAL_BATCH
+            scaled = optimizer.scale_loss(loss)
+        grads = tape.gradient(scaled, model.trainable_variables)
+        optimizer.apply(grads, model.trainable_variables)
+
+    if strategy is None:
+        step = tf.function(replica_step)
+    else:
+        step = tf.function(lambda xb, yb: strategy.run(replica_step, args=(xb, yb)))
+        options = tf.data.Options()
+        # Each replica takes its half of every global batch, in order.
+        options.experimental_distribute.auto_shard_policy = tf.data.experimental.AutoShardPolicy.DATA
+        dataset = strategy.experimental_distribute_dataset(dataset.with_options(options))
+    for xb, yb in dataset:
+        step(xb, yb)
+    return model, optimizer
+
+
+def tf_custom_loop():
+    """`strategy.run` with `scale_loss` + `apply`, against one device."""
+    strategy = mirrored()
+    model, optimizer = _custom_loop(strategy)
+    single, single_opt = _custom_loop(None)
+    assert_replicas_agree(strategy, model, optimizer)
+    expected = state(single, single_opt)
+    assert expected["skipped_steps"] == 1
+    assert_same(state(model, optimizer), expected, 1e-5)
+    print("tf_custom_loop: ok")
+
+
+def tf_jit_refused():
+    """jit_compile=True across replicas: a clear error at compile time."""
+    strategy = mirrored()
+    with strategy.scope():
+        model = build()
+        try:
+            model.compile(optimizer=lso(), loss="mse", amp_level="O2", jit_compile=True)
+        except ValueError as e:
+            message = str(e)
+        else:
+            raise AssertionError("compile(jit_compile=True) under MirroredStrategy was accepted")
+    assert "jit_compile=False" in message and "21366" in message, message
+    assert "Received: jit_compile=True with MirroredStrategy (2 replicas)" in message
+
+    # A custom loop compiled with XLA gets the same message when traced.
+    with strategy.scope():
+        optimizer = lso()
+        optimizer.build(model.trainable_variables)
+
+    def replica_step(xb):
+        with tf.GradientTape() as tape:
+            loss = optimizer.scale_loss(tf.reduce_mean(model(xb)))
+        optimizer.apply(tape.gradient(loss, model.trainable_variables), model.trainable_variables)
+
+    step = tf.function(lambda xb: strategy.run(tf.function(replica_step, jit_compile=True), args=(xb,)))
+    x, _ = data()
+    try:
+        step(tf.constant(x[:GLOBAL_BATCH]))
+    except Exception as e:  # raised while tracing, wrapped by TensorFlow or not
+        assert "jit_compile=False" in str(e), str(e)[-2000:]
+    else:
+        raise AssertionError("an XLA-compiled replica step was accepted")
+    print("tf_jit_refused: ok")
+
+
+def tf_save_and_reload_in_scope():
+    """Save inside the strategy, reload inside it, train on: as one device."""
+    import tempfile
+
+    x, y = data()
+    single = compiled("O2")
+    single.fit(x, y, batch_size=GLOBAL_BATCH, epochs=2, shuffle=False, verbose=0)
+
+    strategy = mirrored()
+    path = os.path.join(tempfile.mkdtemp(), "model.keras")
+    with strategy.scope():
+        model = compiled("O2")
+        model.fit(x, y, batch_size=GLOBAL_BATCH, epochs=1, shuffle=False, verbose=0)
+        model.save(path)
+        loaded = keras.models.load_model(path)
+    before = state(model)
+    after = state(loaded)
+    assert_same(after, before, 0)
+    assert type(loaded.optimizer) is keras_mp.LossScaleOptimizer
+    loaded.fit(x, y, batch_size=GLOBAL_BATCH, epochs=2, initial_epoch=1, shuffle=False, verbose=0)
+    assert_replicas_agree(strategy, loaded)
+    assert_same(state(loaded), state(single), 2e-2)
+    print("tf_save_and_reload_in_scope: ok")
+
+
+def tf_multi_worker():
+    """MultiWorkerMirroredStrategy: two worker processes on this machine.
+
+    Without TF_CONFIG this launches the two workers (localhost ports) and
+    checks that both finish with the same state; each worker compares itself
+    against a single-device run on the same global batches.
+    """
+    import json
+    import socket
+    import subprocess
+
+    if "TF_CONFIG" not in os.environ:
+        ports = []
+        for _ in range(2):
+            with socket.socket() as sock:
+                sock.bind(("localhost", 0))
+                ports.append(sock.getsockname()[1])
+        cluster = {"worker": [f"localhost:{p}" for p in ports]}
+        workers = [
+            subprocess.Popen(
+                [sys.executable, __file__, "tf_multi_worker"],
+                env=dict(os.environ, TF_CONFIG=json.dumps(
+                    {"cluster": cluster, "task": {"type": "worker", "index": i}}
+                )),
+                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+            )
+            for i in range(2)
+        ]
+        outputs = [w.communicate(timeout=240) for w in workers]
+        for worker, (out, err) in zip(workers, outputs):
+            assert worker.returncode == 0, err[-4000:]
+        results = [line for out, _ in outputs for line in out.splitlines() if line.startswith("{")]
+        assert len(results) == 2 and results[0] == results[1], results
+        print("tf_multi_worker: ok", results[0])
+        return
+
+    # Keras 3.15's `fit` fails under MultiWorkerMirroredStrategy here with
+    # or without keras_mp (PerReplica values reach `convert_to_tensor`): the
+    # custom loop with `strategy.run` is what runs.
+    strategy = tf.distribute.MultiWorkerMirroredStrategy()
+    assert strategy.num_replicas_in_sync == 2
+    model, optimizer = _custom_loop(strategy)
+    single, single_opt = _custom_loop(None)
+    expected = state(single, single_opt)
+    assert expected["skipped_steps"] == 1
+    assert_same(state(model, optimizer), expected, 1e-5)
+    print(json.dumps({k: v for k, v in state(model, optimizer).items() if k != "weights"}))
+
+
+# -- JAX ------------------------------------------------------------------------
+
+
+def jax_data_parallel():
+    """`keras.distribution.DataParallel` over two host devices."""
+    import jax
+
+    assert len(jax.devices()) == 2, jax.devices()
+    x, y = data()
+    for amp_level, rtol in (("O0", 1e-5), ("O2", 2e-2)):
+        keras.distribution.set_distribution(None)
+        single = compiled(amp_level)
+        single.fit(x, y, batch_size=GLOBAL_BATCH, epochs=2, shuffle=False, verbose=0)
+
+        keras.distribution.set_distribution(keras.distribution.DataParallel(devices=jax.devices()))
+        model = compiled(amp_level)
+        history = model.fit(x, y, batch_size=GLOBAL_BATCH, epochs=2, shuffle=False, verbose=0)
+        kernel = model.get_layer("hidden").kernel.value
+        assert len(kernel.sharding.device_set) == 2  # replicated on both devices
+        expected = state(single)
+        assert expected["skipped_steps"] == 2
+        assert_same(state(model), expected, rtol)
+        assert history.history["skipped_steps"] == [1.0, 2.0], history.history
+        print(f"jax_data_parallel {amp_level}: ok")
+    keras.distribution.set_distribution(None)
+
+
+if __name__ == "__main__":
+    globals()[SCENARIO]()

@@ -1,0 +1,43 @@
+"""Loss scaling across replicas: tf.distribute and keras.distribution.
+
+Each scenario runs in its own process (`tests/distributed_worker.py`): the
+devices have to be configured before the framework starts. Every scenario
+injects a NaN that only one replica sees, and compares against a
+single-device run on the same global batches (see the worker's docstring).
+"""
+
+import os
+import subprocess
+import sys
+
+import keras
+import pytest
+
+BACKEND = keras.backend.backend()
+WORKER = os.path.join(os.path.dirname(__file__), "distributed_worker.py")
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def _run(scenario, backend):
+    env = dict(os.environ, KERAS_BACKEND=backend, PYTHONPATH=ROOT)
+    env.pop("TF_CONFIG", None)
+    result = subprocess.run(
+        [sys.executable, WORKER, scenario], env=env, capture_output=True, text=True, timeout=480
+    )
+    assert result.returncode == 0, (result.stdout[-2000:], result.stderr[-6000:])
+    return result.stdout
+
+
+@pytest.mark.skipif(BACKEND != "tensorflow", reason="tf.distribute")
+@pytest.mark.parametrize(
+    "scenario",
+    ["tf_fit", "tf_custom_loop", "tf_save_and_reload_in_scope", "tf_jit_refused", "tf_multi_worker"],
+)
+def test_tf_distribute(scenario):
+    assert f"{scenario}" in _run(scenario, "tensorflow")
+
+
+@pytest.mark.skipif(BACKEND != "jax", reason="keras.distribution on JAX")
+def test_jax_data_parallel():
+    out = _run("jax_data_parallel", "jax")
+    assert "jax_data_parallel O0: ok" in out and "jax_data_parallel O2: ok" in out
