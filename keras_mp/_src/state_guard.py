@@ -76,11 +76,16 @@ def _stateful_train_step(original, model, optimizer, guard):
             skipped = ops.not_equal(optimizer.skipped_steps.value, skipped_before)
             for variable, old in zip(variables, before):
                 variable.assign(ops.where(skipped, old, variable.value))
-        # Copies: the values after this step, not a view of the variables.
+        if keras.backend.backend() == "torch":
+            # Copies: PyTorch updates the variables in place at later steps.
+            return _with_telemetry(
+                logs,
+                ops.copy(optimizer.loss_scale.value),
+                ops.copy(optimizer.skipped_steps.value),
+            )
+        # TensorFlow: a read of the variable after the step is its value.
         return _with_telemetry(
-            logs,
-            ops.copy(optimizer.loss_scale.value),
-            ops.copy(optimizer.skipped_steps.value),
+            logs, optimizer.loss_scale.value, optimizer.skipped_steps.value
         )
 
     return train_step
