@@ -57,8 +57,14 @@ class ReferenceLossScale:
 
 
 def reference_sgd_step(weights, grads, scale, learning_rate):
-    """Plain SGD on unscaled gradients, in float32: w - lr * (g / scale)."""
+    """Plain SGD on unscaled gradients, in float32: w - lr * (g * (1 / scale)).
+
+    Unscaling multiplies by the float32 reciprocal of the scale, as
+    `torch.amp.GradScaler` does (the same as dividing for a power-of-two
+    scale; within one rounding otherwise).
+    """
+    inverse = f32(1) / f32(scale)
     return [
-        (w - f32(learning_rate) * (g.astype(f32) / f32(scale))).astype(w.dtype)
+        (w - f32(learning_rate) * (g.astype(f32) * inverse)).astype(w.dtype)
         for w, g in zip(weights, grads)
     ]

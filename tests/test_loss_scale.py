@@ -148,9 +148,9 @@ def test_optimizer_follows_reference(config, kinds, seed):
         assert int(_numpy(optimizer.skipped_steps)) == reference.skipped_steps, where
         assert int(_numpy(optimizer.iterations)) == reference.iterations, where
         if BACKEND != "tensorflow":
-            # torch's fused kernel multiplies by 1/scale, and torch's SGD and
-            # XLA (JAX) contract `w - lr * g` into a fused multiply-add: equal
-            # to within float32 rounding. The state above is exact everywhere.
+            # torch's SGD and XLA (JAX) contract `w - lr * g` into a fused
+            # multiply-add: equal to within float32 rounding. The state above
+            # is exact everywhere.
             np.testing.assert_allclose(_numpy(variable), weights[0], rtol=1e-6, err_msg=where)
         else:
             np.testing.assert_array_equal(_numpy(variable), weights[0], err_msg=where)

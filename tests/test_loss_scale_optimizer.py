@@ -4,6 +4,7 @@ inner optimizer's features, serialization, custom training loops."""
 import keras
 import numpy as np
 import pytest
+from hypothesis import example
 from hypothesis import given
 from hypothesis import settings
 from hypothesis import strategies as st
@@ -225,6 +226,67 @@ def test_all_finite_mixed_dtypes():
     assert not bool(_numpy(backend_ops.all_finite(grads)))
     grads = [_tensor([np.inf], "float16"), _tensor([1.0], "float32")]
     assert not bool(_numpy(backend_ops.all_finite(grads)))
+
+
+def _compiled(fn, mode):
+    """`fn` as `fit` runs it: eager, or traced by the backend's compiler."""
+    if mode == "eager":
+        return fn
+    if BACKEND == "jax":
+        import jax
+
+        return jax.jit(fn)
+    import tensorflow as tf
+
+    return tf.function(fn, jit_compile=(mode == "xla"))
+
+
+COMPILE_MODES = {
+    "tensorflow": ["eager", "graph", "xla"],
+    "jax": ["eager", "jit"],
+    "torch": ["eager"],
+}[BACKEND]
+
+_SHAPES = [(), (0,), (3,), (1, 5), (4, 3), (2, 3, 2), (3, 3, 2, 4)]
+
+
+@st.composite
+def _gradient_lists(draw):
+    dtype = draw(st.sampled_from(["float32", "float16"]))
+    big = np.finfo(dtype).max
+    grads = []
+    for shape in draw(st.lists(st.sampled_from(_SHAPES), min_size=1, max_size=4)):
+        size = int(np.prod(shape))
+        values = draw(
+            st.lists(
+                st.one_of(
+                    st.floats(-4.0, 4.0, width=16),
+                    st.sampled_from([np.inf, -np.inf, np.nan, big, -big]),
+                ),
+                min_size=size,
+                max_size=size,
+            )
+        )
+        grads.append(np.asarray(values, dtype).reshape(shape))
+    return grads
+
+
+@pytest.mark.parametrize("mode", COMPILE_MODES)
+@settings(max_examples=25, deadline=None, derandomize=True)
+@given(grads=_gradient_lists())
+# The sum of finite values overflows: still finite (the exact check decides).
+@example(grads=[np.full((4, 3), np.finfo("float32").max, "float32")])
+@example(grads=[np.full((2, 3, 2), -3e38, "float32"), np.full((3,), 3e38, "float32")])
+@example(grads=[np.full((4, 3), 3e38, "float32"), np.array([1.0, np.nan], "float32")])
+def test_all_finite_matches_numpy(mode, grads):
+    """Any shapes, dtypes and values, eager and compiled: numpy's answer.
+
+    Sums of the largest finite values overflow; the answer must not change.
+    """
+    expected = all(np.all(np.isfinite(g)) for g in grads)
+    check = _compiled(lambda gs: backend_ops.all_finite(gs), mode)
+    tensors = [ops.convert_to_tensor(g) for g in grads]
+    assert bool(_numpy(check(tensors))) is expected
 
 
 # -- unscaling -------------------------------------------------------------------

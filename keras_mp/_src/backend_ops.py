@@ -66,7 +66,9 @@ def all_finite(grads):
     grads = [dense_values(g) for g in grads if g is not None]
     if not grads:
         return ops.convert_to_tensor(True)
-    if _backend() == "jax" or _in_tf_xla_context():
+    if _backend() == "jax":
+        return _jax_all_finite(grads)
+    if _in_tf_xla_context():
         return _exact_all_finite(grads)
     wide = [g for g in grads if keras.backend.standardize_dtype(g.dtype) in _WIDE_FLOATS]
     narrow = [g for g in grads if keras.backend.standardize_dtype(g.dtype) not in _WIDE_FLOATS]
@@ -86,6 +88,41 @@ def all_finite(grads):
     return flags[0] if len(flags) == 1 else ops.logical_and(flags[0], flags[1])
 
 
+def _jax_all_finite(grads):
+    """JAX: one matrix-vector product per gradient instead of a reduction.
+
+    XLA's CPU backend runs `all(isfinite(g))` as an unfused elementwise pass
+    and a two-stage reduction: measured, 6x the time of summing the same
+    values with `ones @ g` (a BLAS kernel), and about 10 % of a small MLP's
+    step. A sum, accumulated in float32, is finite exactly when every value
+    is, unless finite values add up past float32's maximum; only then does
+    the exact elementwise check run, inside a `cond`. GPUs fuse either form.
+    """
+    import jax
+    import jax.numpy as jnp
+
+    total = None
+    for g in grads:
+        s = _jax_sum(jnp, g)
+        total = s if total is None else total + s
+    return jax.lax.cond(
+        jnp.isfinite(total),
+        lambda: jnp.asarray(True),
+        lambda: _exact_all_finite(grads),
+    )
+
+
+def _jax_sum(jnp, g):
+    accumulate = jnp.promote_types(g.dtype, jnp.float32)
+    if g.ndim < 2 or g.size == 0:
+        return jnp.sum(g, dtype=accumulate)
+    rows = g.reshape(-1, g.shape[-1])
+    column_sums = jnp.dot(
+        jnp.ones((rows.shape[0],), g.dtype), rows, preferred_element_type=accumulate
+    )
+    return jnp.dot(column_sums, jnp.ones((rows.shape[1],), accumulate))
+
+
 def _add_all(tensors):
     if len(tensors) == 1:
         return tensors[0]
@@ -100,19 +137,30 @@ def _add_all(tensors):
 
 
 def unscale(grads, scale, skip=(), keep_dtype=False):
-    """Divides each gradient by `scale`, in float32.
+    """Multiplies each gradient by `1 / scale`, in float32.
+
+    A multiplication by the reciprocal, as `torch.amp.GradScaler` does: XLA
+    fuses a multiply into each of the optimizer's update kernels that reads
+    the gradient, while a division is computed once and written out, one
+    more pass over every gradient (measured on JAX's CPU backend: about 5 %
+    of a small MLP's step). For a power-of-two scale (the dynamic scale with
+    the default factors) the result is the same as dividing, bit for bit;
+    otherwise it is within one float32 rounding of it.
 
     Args:
         grads: list of gradients (`None` entries pass through).
         scale: float32 scalar tensor.
         skip: indices of gradients to pass through untouched (variables with
             `overwrite_with_gradient`, whose "gradient" is a value).
+        keep_dtype: whether to cast the results back to each gradient's dtype.
 
     Returns:
         The list of unscaled gradients. Gradients of a narrower dtype come
-        back as float32, so that a small gradient is not flushed to zero by the
-        division; the inner optimizer casts them to its variables' dtype.
+        back as float32 (unless `keep_dtype`), so that a small gradient is not
+        flushed to zero by the division; the inner optimizer casts them to
+        its variables' dtype.
     """
+    inverse = ops.divide(ops.convert_to_tensor(1.0, "float32"), scale)
     out = []
     for i, g in enumerate(grads):
         if g is None or i in skip:
@@ -122,21 +170,21 @@ def unscale(grads, scale, skip=(), keep_dtype=False):
 
             out.append(
                 tf.IndexedSlices(
-                    _divide_float32(g.values, scale, keep_dtype),
+                    _multiply_float32(g.values, inverse, keep_dtype),
                     g.indices,
                     g.dense_shape,
                 )
             )
         else:
-            out.append(_divide_float32(g, scale, keep_dtype))
+            out.append(_multiply_float32(g, inverse, keep_dtype))
     return out
 
 
-def _divide_float32(g, scale, keep_dtype):
+def _multiply_float32(g, inverse, keep_dtype):
     dtype = keras.backend.standardize_dtype(g.dtype)
     if dtype == "float32":
-        return ops.divide(g, scale)
-    unscaled = ops.divide(ops.cast(g, "float32"), scale)
+        return ops.multiply(g, inverse)
+    unscaled = ops.multiply(ops.cast(g, "float32"), inverse)
     return ops.cast(unscaled, dtype) if keep_dtype else unscaled
 
 
