@@ -52,10 +52,10 @@ def all_finite(grads):
     when no value is inf or nan, except when finite float32 values add up past
     float32's maximum. Only then (the sum is not finite) does the exact
     elementwise check run, inside a `cond`, so the answer is always exact and
-    the common case costs one read of each gradient. Under XLA (JAX, and
-    TensorFlow with `jit_compile=True`) the elementwise check fuses into one
-    reduction and is used directly: there a second `cond` would only fence
-    off fusion.
+    the common case costs one read of each gradient. TensorFlow with
+    `jit_compile=True` uses the elementwise check directly: XLA fuses it into
+    one reduction, and a second `cond` would only fence off fusion. JAX sums
+    with matrix-vector products (`_jax_all_finite`).
 
     Args:
         grads: list of gradient tensors; `None` entries are ignored.
