@@ -86,6 +86,8 @@ def test_learning_rate_is_the_inner_one():
         ({"initial_scale": 0.0}, ValueError, "initial_scale=0.0"),
         ({"initial_scale": -1.0}, ValueError, "initial_scale=-1.0"),
         ({"initial_scale": float("inf")}, ValueError, "initial_scale=inf"),
+        ({"initial_scale": 2.0**127, "dynamic": False}, ValueError, "at most 2**126"),
+        ({"max_scale": 1e38}, ValueError, "max_scale=1e+38"),
         ({"growth_factor": 1.0}, ValueError, "growth_factor=1.0"),
         ({"backoff_factor": 1.0}, ValueError, "backoff_factor=1.0"),
         ({"backoff_factor": 0.0}, ValueError, "backoff_factor=0.0"),

@@ -29,6 +29,10 @@ _INNER_ONLY_ARGUMENTS = {
 }
 
 _FLOAT32_MAX = 3.4028234663852886e38
+# Gradients are unscaled by multiplying with 1 / scale: above 2**126 that
+# reciprocal is no longer a normal float32, and a device that flushes
+# subnormals to zero would zero every gradient.
+_MAX_SCALE = 2.0**126
 
 
 @keras.saving.register_keras_serializable(package="keras_mp")
@@ -71,7 +75,7 @@ class LossScaleOptimizer(_KerasLossScaleOptimizer):
             sees unscaled gradients.
         dynamic: bool. `True` adjusts the scale as above; `False` keeps
             `initial_scale` fixed.
-        initial_scale: float > 0. The scale of the first step. A high value
+        initial_scale: float in (0, 2**126]. The scale of the first step. A high value
             is recommended for a dynamic scale: an overflow lowers it at once,
             growth takes `dynamic_growth_steps` steps. `None` means `2**15`.
         dynamic_growth_steps: int >= 1. Finite steps in a row before the
@@ -79,8 +83,8 @@ class LossScaleOptimizer(_KerasLossScaleOptimizer):
         growth_factor: float > 1. What the scale is multiplied by on growth.
         backoff_factor: float in (0, 1). What the scale is multiplied by after
             a non-finite step.
-        min_scale: float > 0. The dynamic scale never goes below this.
-        max_scale: float >= `min_scale`. The dynamic scale never goes above
+        min_scale: float in (0, 2**126]. The dynamic scale never goes below this.
+        max_scale: float in [`min_scale`, 2**126]. The dynamic scale never goes above
             this.
         skip_on_overflow: bool. Fixed scale only: `False` applies every step
             without looking at the gradients (no check, no skip).
@@ -628,11 +632,12 @@ def _check_bool(name, value, hint=""):
         )
 
 
-def _check_positive_float32(name, value, what=""):
-    if not _is_number(value) or not (0 < value <= _FLOAT32_MAX):
+def _check_scale(name, value):
+    if not _is_number(value) or not (0 < value <= _MAX_SCALE):
         raise ValueError(
-            f"`{name}` must be a finite number greater than 0{what}. "
-            f"Received: {name}={value!r}"
+            f"`{name}` must be a number greater than 0 and at most 2**126 "
+            "(gradients are multiplied by its reciprocal, which must be a "
+            f"normal float32). Received: {name}={value!r}"
         )
 
 
@@ -658,7 +663,7 @@ def _validated_config(
         ),
     )
     _check_bool("skip_on_overflow", skip_on_overflow)
-    _check_positive_float32("initial_scale", initial_scale)
+    _check_scale("initial_scale", initial_scale)
     if (
         not isinstance(dynamic_growth_steps, numbers.Integral)
         or isinstance(dynamic_growth_steps, bool)
@@ -678,8 +683,8 @@ def _validated_config(
             "`backoff_factor` must be a number in the open interval (0, 1). "
             f"Received: backoff_factor={backoff_factor!r}"
         )
-    _check_positive_float32("min_scale", min_scale)
-    _check_positive_float32("max_scale", max_scale)
+    _check_scale("min_scale", min_scale)
+    _check_scale("max_scale", max_scale)
     if min_scale > max_scale:
         raise ValueError(
             "`min_scale` must be less than or equal to `max_scale`. "
