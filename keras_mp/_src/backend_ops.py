@@ -101,10 +101,7 @@ def _jax_all_finite(grads):
     import jax
     import jax.numpy as jnp
 
-    total = None
-    for g in grads:
-        s = _jax_sum(jnp, g)
-        total = s if total is None else total + s
+    total = _add_all([_jax_sum(jnp, g) for g in grads])
     return jax.lax.cond(
         jnp.isfinite(total),
         lambda: jnp.asarray(True),
@@ -157,7 +154,7 @@ def unscale(grads, scale, skip=(), keep_dtype=False):
     Returns:
         The list of unscaled gradients. Gradients of a narrower dtype come
         back as float32 (unless `keep_dtype`), so that a small gradient is not
-        flushed to zero by the division; the inner optimizer casts them to
+        flushed to zero by the unscaling; the inner optimizer casts them to
         its variables' dtype.
     """
     inverse = ops.divide(ops.convert_to_tensor(1.0, "float32"), scale)
