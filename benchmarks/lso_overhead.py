@@ -2,7 +2,8 @@
 
 For one backend per process (set KERAS_BACKEND, or pass --all to run each
 backend in its own subprocess), compares in one process, alternating the
-variants round by round and taking the median over rounds:
+variants round by round; each ratio is the median over rounds of the ratio
+of two epochs timed in the same round:
 
 - plain:  the inner optimizer alone (no loss scaling),
 - keras:  Keras's built-in `keras.optimizers.LossScaleOptimizer`,
@@ -139,22 +140,33 @@ def run_one_backend(rounds, steps, batch, policies=POLICIES, model_names=MODELS,
                         x, y, batch_size=batch, epochs=1, verbose=0, callbacks=[timer]
                     )
                     times[variant].append(timer.per_step)
-            med = {v: statistics.median(t) for v, t in times.items()}
+            ratio = lambda a, b: _paired_median(times[a], times[b])
             results.append(
                 (
                     keras.backend.backend()
                     + (" (XLA)" if models["plain"].jit_compile and keras.backend.backend() == "tensorflow" else ""),
                     model_name,
                     policy,
-                    med["plain"] * 1e3,
-                    med["keras"] / med["plain"],
-                    med["keras_mp"] / med["plain"],
-                    med["keras_mp"] / med["keras"],
-                    med["keras_mp"] / med["keras_mp_no_logs"],
+                    statistics.median(times["plain"]) * 1e3,
+                    ratio("keras", "plain"),
+                    ratio("keras_mp", "plain"),
+                    ratio("keras_mp", "keras"),
+                    ratio("keras_mp", "keras_mp_no_logs"),
                 )
             )
             keras.config.set_dtype_policy("float32")
     return results
+
+
+def _paired_median(times_a, times_b):
+    """Median over rounds of the ratio a/b, both timed in the same round.
+
+    The machine's speed drifts between rounds (a shared 2-core VM moves by
+    about 10 % from one epoch to the next); a ratio of two epochs timed side
+    by side cancels the drift, and the median of those ratios ignores the
+    rounds that a neighbour disturbed.
+    """
+    return statistics.median(a / b for a, b in zip(times_a, times_b))
 
 
 def _calibrated_steps(keras, model, shape, batch, steps, rng, budget_s=0.4):
@@ -181,7 +193,7 @@ def _row(r):
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--all", action="store_true", help="every backend, one subprocess each")
-    parser.add_argument("--rounds", type=int, default=11)
+    parser.add_argument("--rounds", type=int, default=21)
     parser.add_argument("--steps", type=int, default=60, help="at most; fewer for slow configurations")
     parser.add_argument("--batch", type=int, default=64)
     parser.add_argument("--policies", nargs="+", default=list(POLICIES), choices=POLICIES)

@@ -376,7 +376,50 @@ class LossScaleOptimizer(_KerasLossScaleOptimizer):
                 finite = not bool(found_inf)  # The one host sync, as GradScaler.
             if finite:
                 self.inner_optimizer.apply(unscaled, trainable_variables)
-            self._assign_state(state, update(state, finite, self._config))
+            self._torch_update_in_place(finite)
+
+    def _torch_update_in_place(self, finite):
+        """`update(state, finite, config)` as in-place torch ops on the variables.
+
+        The same transition as `loss_scale.update` with a Python bool (the
+        reference tests drive both), written with raw torch ops: through
+        `keras.ops` the dozen scalar ops of a step cost about as much as the
+        gradient check itself on a small model. Nothing is read on the host.
+        """
+        import torch
+
+        config = self._config
+        scale = self.loss_scale.value
+        good_steps = self.good_steps.value
+        if not finite:
+            self.skipped_steps.value.add_(1)
+            good_steps.zero_()
+            if config.dynamic:
+                torch.maximum(
+                    scale * config.backoff_factor, self._torch_bound("min"), out=scale
+                )
+            return
+        good_steps.add_(1)
+        if config.dynamic:
+            grow = good_steps >= config.dynamic_growth_steps
+            grown = torch.minimum(
+                scale * config.growth_factor, self._torch_bound("max")
+            )
+            scale.copy_(torch.where(grow, grown, scale))
+            good_steps.masked_fill_(grow, 0)
+
+    def _torch_bound(self, which):
+        # float32 tensors of min_scale / max_scale, as `ops.maximum` and
+        # `ops.minimum` convert them in `update`; made once per device.
+        scale = self.loss_scale.value
+        key = (which, scale.device)
+        bounds = self.__dict__.setdefault("_torch_bounds", {})
+        if key not in bounds:
+            import torch
+
+            value = self._config.min_scale if which == "min" else self._config.max_scale
+            bounds[key] = torch.tensor(value, dtype=scale.dtype, device=scale.device)
+        return bounds[key]
 
     def _jax_apply(self, grads, trainable_variables, unscaled_by_caller):
         # JAX cannot assign variables inside `lax.cond`: run the stateless

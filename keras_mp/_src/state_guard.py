@@ -80,8 +80,8 @@ def _stateful_train_step(original, model, optimizer, guard):
             # Copies: PyTorch updates the variables in place at later steps.
             return _with_telemetry(
                 logs,
-                ops.copy(optimizer.loss_scale.value),
-                ops.copy(optimizer.skipped_steps.value),
+                optimizer.loss_scale.value.clone(),
+                optimizer.skipped_steps.value.clone(),
             )
         # TensorFlow: a read of the variable after the step is its value.
         return _with_telemetry(
