@@ -135,6 +135,7 @@ def test_amp_settings_travel_with_the_saved_model(tmp_path):
         ({"amp_level": "O2", "amp_dtype": "float64"}, ValueError, "amp_dtype='float64'"),
         ({"amp_level": "O2", "loss_scale": -1}, ValueError, "loss_scale=-1"),
         ({"amp_level": "O2", "loss_scale": "static"}, ValueError, "loss_scale='static'"),
+        ({"amp_level": "O2", "loss_scale": 2.0**127}, ValueError, "at most 2**126 (a fixed scale), or None. Received: loss_scale=1.7"),
         ({"amp_level": "O2", "keep_batchnorm_fp32": "x"}, TypeError, "keep_batchnorm_fp32='x'"),
         ({"amp_dtype": "bfloat16"}, ValueError, "need `amp_level`"),
     ],

@@ -15,6 +15,7 @@ from keras.src.trainers.trainer import Trainer
 from keras_mp._src.levels import LEVELS
 from keras_mp._src.levels import check_half_dtype
 from keras_mp._src.levels import get_level
+from keras_mp._src.loss_scale_optimizer import _MAX_SCALE
 from keras_mp._src.loss_scale_optimizer import LossScaleOptimizer
 from keras_mp._src.policies import apply_amp
 from keras_mp._src.state_guard import guard_train_step
@@ -101,12 +102,13 @@ def _check_amp_arguments(amp_level, amp_dtype, loss_scale, keep_batchnorm_fp32):
         or (
             isinstance(loss_scale, numbers.Real)
             and not isinstance(loss_scale, bool)
-            and 0 < loss_scale < float("inf")
+            and 0 < loss_scale <= _MAX_SCALE
         )
     ):
         raise ValueError(
-            '`loss_scale` must be "dynamic", a positive number (a fixed '
-            f"scale) or None. Received: loss_scale={loss_scale!r}"
+            '`loss_scale` must be "dynamic", a number greater than 0 and at '
+            "most 2**126 (a fixed scale), or None. Received: "
+            f"loss_scale={loss_scale!r}"
         )
     if keep_batchnorm_fp32 is not None and not isinstance(keep_batchnorm_fp32, bool):
         raise TypeError(
