@@ -193,8 +193,8 @@ def _row(r):
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--all", action="store_true", help="every backend, one subprocess each")
-    parser.add_argument("--rounds", type=int, default=21)
-    parser.add_argument("--steps", type=int, default=60, help="at most; fewer for slow configurations")
+    parser.add_argument("--rounds", type=int, default=61)
+    parser.add_argument("--steps", type=int, default=20, help="at most; fewer for slow configurations")
     parser.add_argument("--batch", type=int, default=64)
     parser.add_argument("--policies", nargs="+", default=list(POLICIES), choices=POLICIES)
     parser.add_argument("--models", nargs="+", default=list(MODELS), choices=MODELS)

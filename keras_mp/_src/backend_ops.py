@@ -39,6 +39,36 @@ def _in_tf_xla_context():
     return control_flow_util.GraphOrParentsInXlaContext(tf_ops.get_default_graph())
 
 
+def keep_conditional(scale):
+    """TensorFlow with XLA on a CPU: keeps the skip a real conditional.
+
+    XLA's conditional simplifier turns a `cond` whose branches hold only
+    elementwise ops (an optimizer's update is) into selects: the update then
+    runs on every step, and since the old weights and slots must survive
+    until the select, they are copied first (measured on the MLP of
+    `benchmarks/`: 1.19x the plain step, against 1.09x with the
+    conditional kept). An optimization barrier on the scale, inside the
+    branch that applies the step, is not elementwise, so the simplifier
+    leaves the conditional alone; it costs nothing (it passes one scalar).
+
+    Only where the step runs on a CPU: on a GPU an XLA conditional may wait
+    for its predicate on the host, which the selects avoid. Elsewhere, and
+    on a TensorFlow without the op, `scale` comes back as it is.
+    """
+    if not _in_tf_xla_context():
+        return scale
+    import tensorflow as tf
+
+    if tf.config.list_logical_devices("GPU") or tf.config.list_logical_devices("TPU"):
+        return scale
+    try:
+        from tensorflow.compiler.tf2xla.python import xla
+    except ImportError:
+        return scale
+    barrier = getattr(xla, "optimization_barrier", None)
+    return scale if barrier is None else barrier(scale)[0]
+
+
 def _exact_all_finite(grads):
     flags = [ops.all(ops.isfinite(g)) for g in grads]
     return flags[0] if len(flags) == 1 else ops.all(ops.stack(flags))

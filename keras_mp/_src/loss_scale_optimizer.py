@@ -306,10 +306,9 @@ class LossScaleOptimizer(_KerasLossScaleOptimizer):
         state = self._state()
 
         def apply_inner():
+            scale = backend_ops.keep_conditional(state.scale)
             self.inner_optimizer.apply(
-                self._unscaled(
-                    grads, trainable_variables, state.scale, unscaled_by_caller
-                ),
+                self._unscaled(grads, trainable_variables, scale, unscaled_by_caller),
                 trainable_variables,
             )
 
