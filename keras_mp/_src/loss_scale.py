@@ -1,8 +1,10 @@
 """The loss-scale state machine, written once.
 
-Every execution path of `keras_mp.LossScaleOptimizer` (stateful TensorFlow and
-PyTorch, stateless JAX, distributed) computes the next state with `update`
-below and only stores the result. `update` is a pure function built from
+Every execution path of `keras_mp.LossScaleOptimizer` (stateful TensorFlow,
+stateless JAX, distributed) computes the next state with `update` below and
+only stores the result. PyTorch, which knows the outcome on the host, mirrors
+it with in-place torch ops (`LossScaleOptimizer._torch_update_in_place`);
+the reference tests drive both. `update` is a pure function built from
 `keras.ops` selects, so it traces under `tf.function`, XLA and `jax.jit` alike
 and never needs the host to look at a tensor.
 """

@@ -47,7 +47,7 @@ class LossScaleOptimizer(_KerasLossScaleOptimizer):
     is skipped: weights, the inner optimizer's slots and `iterations` stay as
     they were, bit for bit.
 
-    One step, as the state machine (`keras_mp` writes it once, for every
+    One step, as the state machine (the same on every
     backend):
 
     ```
