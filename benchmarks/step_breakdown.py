@@ -1,0 +1,227 @@
+"""Where loss scaling's cost goes: the compiled step taken apart (a benchmark).
+
+`lso_overhead.py` times whole `fit` epochs. This script times the compiled
+train step alone, in many short samples, each variant timed right after the
+plain step (paired), and prints the median and the quartiles of the ratios.
+It is for differences of 1-3 %, which epoch timings on a small shared
+machine cannot resolve. MLP 784-256-256-256-10, batch 64, Adam.
+
+Variants (keras_mp's own step with one piece removed at a time):
+
+- plain: the inner optimizer alone; keras: Keras's built-in
+  LossScaleOptimizer; keras_mp: keras_mp's.
+- no_cond: keras_mp's check is computed (it feeds the state update only) and
+  the update is applied unconditionally: the cost of the check alone.
+- cond_only (JAX): the `cond` kept, on a predicate that does not look at the
+  gradients: the cost of waiting for every gradient before the update.
+- no_unscale (TensorFlow): the inner optimizer applied to the raw
+  gradients, with no check and no `cond`: what the rest of the wrapper costs.
+
+    KERAS_BACKEND=jax python benchmarks/step_breakdown.py
+    KERAS_BACKEND=tensorflow python benchmarks/step_breakdown.py --jit-compile true
+    KERAS_BACKEND=tensorflow taskset -c 1 python benchmarks/step_breakdown.py --one-thread
+
+Variants other than plain/keras/keras_mp change the step's semantics (they
+apply overflowing steps); they exist only to be timed.
+"""
+
+import argparse
+import os
+import statistics
+import time
+
+import numpy as np
+
+
+def _optimizer_class(keras, keras_mp, ops):
+    from keras_mp._src import backend_ops
+    from keras_mp._src.loss_scale import LossScaleState
+    from keras_mp._src.loss_scale import update
+
+    class Variant(keras_mp.LossScaleOptimizer):
+        variant = "keras_mp"
+
+        def stateless_apply(self, optimizer_variables, grads, trainable_variables):
+            if self.variant == "keras_mp":
+                return super().stateless_apply(optimizer_variables, grads, trainable_variables)
+            own = list(optimizer_variables[: len(self._variables)])
+            inner = list(optimizer_variables[len(self._variables) :])
+            start = self._state_start
+            state = LossScaleState(*own[start : start + 3])
+
+            def step(finite):
+                new_own = list(own)
+                new_state = update(state, finite, self._config)
+                for i, (variable, value) in enumerate(zip(self._state_variables(), new_state)):
+                    new_own[start + i] = ops.cast(value, variable.dtype)
+                unscaled = self._unscaled(grads, self._trainable_variables, state.scale, False)
+                new_trainable, new_inner = self.inner_optimizer.stateless_apply(
+                    inner, unscaled, list(trainable_variables)
+                )
+                return list(new_trainable), new_own + list(new_inner)
+
+            if self.variant == "no_cond":
+                return step(self.check_finite(grads))
+            if self.variant == "cond_only":
+                return ops.cond(
+                    ops.less(state.scale, 2.0**127),
+                    lambda: step(True),
+                    lambda: (list(trainable_variables), list(optimizer_variables)),
+                )
+            raise ValueError(self.variant)
+
+        def _tf_apply(self, grads, trainable_variables, unscaled_by_caller):
+            if self.variant == "keras_mp":
+                return super()._tf_apply(grads, trainable_variables, unscaled_by_caller)
+            state = self._state()
+            if self.variant == "no_unscale":
+                self.inner_optimizer.apply(grads, trainable_variables)
+                return
+            if self.variant == "no_cond":
+                finite = backend_ops.all_finite(grads)
+                self.inner_optimizer.apply(
+                    self._unscaled(grads, trainable_variables, state.scale, False),
+                    trainable_variables,
+                )
+                self._assign_state(state, update(state, finite, self._config))
+                return
+            raise ValueError(self.variant)
+
+    return Variant
+
+
+def _build(keras, keras_mp, variant, jit_compile):
+    from keras import ops
+
+    keras.utils.set_random_seed(0)
+    model = keras.Sequential(
+        [
+            keras.Input((784,)),
+            keras.layers.Dense(256, activation="relu"),
+            keras.layers.Dense(256, activation="relu"),
+            keras.layers.Dense(256, activation="relu"),
+            keras.layers.Dense(10),
+            keras.layers.Activation("softmax", dtype="float32"),
+        ]
+    )
+    inner = keras.optimizers.Adam(1e-3)
+    if variant == "plain":
+        optimizer = inner
+    elif variant == "keras":
+        optimizer = keras.optimizers.LossScaleOptimizer(inner)
+    else:
+        optimizer = _optimizer_class(keras, keras_mp, ops)(inner)
+        optimizer.variant = variant
+    model.compile(
+        optimizer=optimizer,
+        loss="sparse_categorical_crossentropy",
+        auto_scale_loss=False,
+        jit_compile=jit_compile,
+    )
+    return model
+
+
+def _jax_runner(model, x, y):
+    import jax
+    import jax.numpy as jnp
+
+    model.fit(x, y, batch_size=64, epochs=1, verbose=0)
+    model.make_train_function()
+    cells = [c.cell_contents for c in model.train_function.__closure__ or ()]
+    step = [c for c in cells if hasattr(c, "lower")][0]  # the jitted train_step
+    state = jax.tree_util.tree_map(
+        jnp.array,
+        (
+            [v.value for v in model.trainable_variables],
+            [v.value for v in model.non_trainable_variables],
+            [v.value for v in model.optimizer.variables],
+            [v.value for v in model.metrics_variables],
+        ),
+    )
+    data = (jnp.asarray(x[:64]), jnp.asarray(y[:64]))
+    box = [state]
+
+    def run(n):
+        state = box[0]
+        for _ in range(n):
+            _, state = step(state, data)
+        jax.block_until_ready(state)
+        box[0] = state
+
+    return run
+
+
+def _tf_runner(model, x, y):
+    import tensorflow as tf
+
+    model.fit(x, y, batch_size=64, epochs=1, verbose=0)
+    function = model.make_train_function()
+    iterator = iter(tf.data.Dataset.from_tensors((x[:64], y[:64])).repeat())
+
+    def run(n):
+        for _ in range(n):
+            logs = function(iterator)
+        float(logs["loss"])
+
+    return run
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--variants", nargs="+")
+    parser.add_argument("--samples", type=int, default=151)
+    parser.add_argument("--steps", type=int, default=20, help="steps per sample")
+    parser.add_argument("--policy", default="float32", choices=["float32", "mixed_float16"])
+    parser.add_argument("--jit-compile", default="auto", choices=["auto", "true", "false"])
+    parser.add_argument("--one-thread", action="store_true", help="TensorFlow: one inter- and intra-op thread")
+    args = parser.parse_args()
+
+    import keras
+
+    import keras_mp
+
+    backend = keras.backend.backend()
+    if backend not in ("jax", "tensorflow"):
+        raise SystemExit("step_breakdown.py times the compiled step of JAX and TensorFlow")
+    if args.one_thread and backend == "tensorflow":
+        import tensorflow as tf
+
+        tf.config.threading.set_inter_op_parallelism_threads(1)
+        tf.config.threading.set_intra_op_parallelism_threads(1)
+    default = ["plain", "keras", "keras_mp", "no_cond"]
+    default.append("cond_only" if backend == "jax" else "no_unscale")
+    variants = args.variants or default
+    if "plain" not in variants:
+        variants = ["plain"] + variants
+    jit = {"auto": "auto", "true": True, "false": False}[args.jit_compile]
+    keras.config.set_dtype_policy(args.policy)
+    rng = np.random.default_rng(0)
+    x = rng.normal(size=(64, 784)).astype("float32")
+    y = rng.integers(0, 10, size=(64,))
+    runner = _jax_runner if backend == "jax" else _tf_runner
+    runs = {v: runner(_build(keras, keras_mp, v, jit), x, y) for v in variants}
+    for run in runs.values():
+        run(args.steps)
+
+    times = {v: [] for v in variants}
+    for sample in range(args.samples):
+        order = variants if sample % 2 == 0 else variants[::-1]
+        for v in order:
+            start = time.perf_counter()
+            runs[v](args.steps)
+            times[v].append((time.perf_counter() - start) / args.steps)
+
+    print(
+        f"{backend} ({'XLA' if jit is True else jit}), {args.policy}, plain step "
+        f"{statistics.median(times['plain']) * 1e6:.0f} us, {args.samples} paired samples"
+    )
+    print("| variant | median ratio to plain | quartiles |\n|---|---|---|")
+    for v in variants:
+        ratios = sorted(a / b for a, b in zip(times[v], times["plain"]))
+        q = len(ratios) // 4
+        print(f"| {v} | {statistics.median(ratios):.3f} | {ratios[q]:.3f}–{ratios[-q - 1]:.3f} |")
+
+
+if __name__ == "__main__":
+    os.environ.setdefault("KERAS_BACKEND", "jax")
+    main()
