@@ -304,11 +304,19 @@ class LossScaleOptimizer(_KerasLossScaleOptimizer):
             raise ValueError("apply() must be called in a replica context.")
         _check_not_xla_across_replicas()
         state = self._state()
+        # Under XLA, gradients cast up from float16 enter the skip's branches
+        # as the float16 tensors they were cast from (see `narrow_origins`).
+        origins = backend_ops.narrow_origins(grads)
 
         def apply_inner():
             scale = backend_ops.keep_conditional(state.scale)
             self.inner_optimizer.apply(
-                self._unscaled(grads, trainable_variables, scale, unscaled_by_caller),
+                self._unscaled(
+                    backend_ops.widen(origins, grads),
+                    trainable_variables,
+                    scale,
+                    unscaled_by_caller,
+                ),
                 trainable_variables,
             )
 
@@ -322,7 +330,7 @@ class LossScaleOptimizer(_KerasLossScaleOptimizer):
         if not self._config.checks_finite:
             on_finite()
             return
-        finite = _all_replicas_agree(self.check_finite(grads))
+        finite = _all_replicas_agree(self.check_finite(origins))
         if tf.__internal__.distribute.strategy_supports_no_merge_call():
             # Inside each branch the outcome is known, so `update` builds
             # only that outcome's few ops.
