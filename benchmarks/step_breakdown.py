@@ -10,9 +10,12 @@ Variants (keras_mp's own step with one piece removed at a time):
 
 - plain: the inner optimizer alone; keras: Keras's built-in
   LossScaleOptimizer; keras_mp: keras_mp's.
+- plain_again: a second, identical plain model: the control. Its ratio is
+  what this machine's noise and the order of the samples alone produce.
 - no_cond: keras_mp's check is computed (it feeds the state update only) and
   the update is applied unconditionally: the cost of the check alone.
-- cond_only (JAX): the `cond` kept, on a predicate that does not look at the
+- cond_only: the `cond` kept (on TensorFlow with XLA, kept as a real
+  conditional, as keras_mp does), on a predicate that does not look at the
   gradients: the cost of waiting for every gradient before the update.
 - no_unscale (TensorFlow): the inner optimizer applied to the raw
   gradients, with no check and no `cond`: what the rest of the wrapper costs.
@@ -85,6 +88,22 @@ def _optimizer_class(keras, keras_mp, ops):
                 )
                 self._assign_state(state, update(state, finite, self._config))
                 return
+            if self.variant == "cond_only":
+                import tensorflow as tf
+
+                def on_finite():
+                    scale = backend_ops.keep_conditional(state.scale)
+                    self.inner_optimizer.apply(
+                        self._unscaled(grads, trainable_variables, scale, False),
+                        trainable_variables,
+                    )
+                    self._assign_state(state, update(state, True, self._config))
+
+                def on_overflow():
+                    self._assign_state(state, update(state, False, self._config))
+
+                tf.cond(tf.less(state.scale, 2.0**127), on_finite, on_overflow)
+                return
             raise ValueError(self.variant)
 
     return Variant
@@ -105,7 +124,7 @@ def _build(keras, keras_mp, variant, jit_compile):
         ]
     )
     inner = keras.optimizers.Adam(1e-3)
-    if variant == "plain":
+    if variant in ("plain", "plain_again"):
         optimizer = inner
     elif variant == "keras":
         optimizer = keras.optimizers.LossScaleOptimizer(inner)
@@ -188,8 +207,9 @@ def main():
 
         tf.config.threading.set_inter_op_parallelism_threads(1)
         tf.config.threading.set_intra_op_parallelism_threads(1)
-    default = ["plain", "keras", "keras_mp", "no_cond"]
-    default.append("cond_only" if backend == "jax" else "no_unscale")
+    default = ["plain", "plain_again", "keras", "keras_mp", "no_cond", "cond_only"]
+    if backend == "tensorflow":
+        default.append("no_unscale")
     variants = args.variants or default
     if "plain" not in variants:
         variants = ["plain"] + variants
