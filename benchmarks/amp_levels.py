@@ -21,6 +21,8 @@ import statistics
 import subprocess
 import sys
 
+import _checkout  # noqa: F401  (this checkout's keras_mp, not an installed one)
+
 from lso_overhead import _calibrated_steps
 from lso_overhead import _steady_state_timer
 

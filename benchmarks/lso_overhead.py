@@ -25,7 +25,11 @@ import subprocess
 import sys
 import time
 
+import _checkout  # noqa: F401  (this checkout's keras_mp, not an installed one)
+
 BACKENDS = ("tensorflow", "jax", "torch")
+TIMER_SKIP = 3  # steps of each epoch left out of its timing
+MIN_STEPS = 8
 VARIANTS = ("plain", "keras", "keras_mp", "keras_mp_no_logs")
 POLICIES = ("float32", "mixed_float16")
 MODELS = ("mlp", "cnn")
@@ -131,7 +135,7 @@ def run_one_backend(rounds, steps, batch, policies=POLICIES, model_names=MODELS,
                 # Warm up: trace/compile and the first epochs.
                 model.fit(x, y, batch_size=batch, epochs=2, verbose=0)
                 models[variant] = model
-            timer = _steady_state_timer(keras)(skip=3)
+            timer = _steady_state_timer(keras)(skip=TIMER_SKIP)
             times = {v: [] for v in VARIANTS}
             for r in range(rounds):
                 order = VARIANTS if r % 2 == 0 else VARIANTS[::-1]
@@ -176,7 +180,7 @@ def _calibrated_steps(keras, model, shape, batch, steps, rng, budget_s=0.4):
     start = time.perf_counter()
     model.fit(x, y, batch_size=batch, epochs=1, verbose=0)
     per_step = (time.perf_counter() - start) / 4
-    return int(min(steps, max(8, budget_s / per_step)))
+    return int(min(steps, max(MIN_STEPS, budget_s / per_step)))
 
 
 HEADER = (
@@ -203,6 +207,13 @@ def main():
         help="as `compile(jit_compile=...)`; `auto` is graph mode for TF on a CPU, XLA on a GPU",
     )
     args = parser.parse_args()
+    if args.steps < MIN_STEPS:
+        parser.error(
+            f"--steps must be at least {MIN_STEPS} (the first {TIMER_SKIP} steps of "
+            f"each epoch are not timed), got {args.steps}"
+        )
+    if args.rounds < 1 or args.batch < 1:
+        parser.error(f"--rounds and --batch must be positive, got {args.rounds} and {args.batch}")
     if args.all:
         print(HEADER)
         for backend in BACKENDS:

@@ -35,6 +35,8 @@ import time
 
 import numpy as np
 
+import _checkout  # noqa: F401  (this checkout's keras_mp, not an installed one)
+
 
 def _optimizer_class(keras, keras_mp, ops):
     from keras_mp._src import backend_ops
@@ -194,6 +196,8 @@ def main():
     parser.add_argument("--jit-compile", default="auto", choices=["auto", "true", "false"])
     parser.add_argument("--one-thread", action="store_true", help="TensorFlow: one inter- and intra-op thread")
     args = parser.parse_args()
+    if args.samples < 1 or args.steps < 1:
+        parser.error(f"--samples and --steps must be positive, got {args.samples} and {args.steps}")
 
     import keras
 
