@@ -189,7 +189,11 @@ def _tf_runner(model, x, y):
 
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--variants", nargs="+")
+    parser.add_argument(
+        "--variants", nargs="+",
+        choices=["plain", "plain_again", "keras", "keras_mp", "no_cond", "cond_only", "no_unscale"],
+        help="no_unscale: TensorFlow only",
+    )
     parser.add_argument("--samples", type=int, default=151)
     parser.add_argument("--steps", type=int, default=20, help="steps per sample")
     parser.add_argument("--policy", default="float32", choices=["float32", "mixed_float16"])
