@@ -93,10 +93,14 @@ def _optimizer_class(keras, keras_mp, ops):
             if self.variant == "cond_only":
                 import tensorflow as tf
 
+                # As keras_mp's step: narrow operands under XLA, widened inside.
+                origins = backend_ops.narrow_origins(grads)
+
                 def on_finite():
                     scale = backend_ops.keep_conditional(state.scale)
+                    widened = backend_ops.widen(origins, grads)
                     self.inner_optimizer.apply(
-                        self._unscaled(grads, trainable_variables, scale, False),
+                        self._unscaled(widened, trainable_variables, scale, False),
                         trainable_variables,
                     )
                     self._assign_state(state, update(state, True, self._config))
