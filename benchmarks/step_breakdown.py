@@ -19,6 +19,15 @@ Variants (keras_mp's own step with one piece removed at a time):
   gradients: the cost of waiting for every gradient before the update.
 - no_unscale (TensorFlow): the inner optimizer applied to the raw
   gradients, with no check and no `cond`: what the rest of the wrapper costs.
+- unscale_only (TensorFlow): the unscaling and the state update, no check,
+  no `cond`: what unscaling costs (under XLA it fuses into the update).
+- exact_check (TensorFlow): keras_mp's step with the elementwise
+  `all(isfinite(g))` check instead of its sums.
+
+The last column, the mean of each variant's fastest tenth of samples over
+plain's, is the steadier estimate on a shared machine (noise only adds
+time): the control lands within 1-1.5 % of 1.00 there, against 2-3 % for
+the median.
 
     KERAS_BACKEND=jax python benchmarks/step_breakdown.py
     KERAS_BACKEND=tensorflow python benchmarks/step_breakdown.py --jit-compile true
@@ -36,6 +45,13 @@ import time
 import numpy as np
 
 import _checkout  # noqa: F401  (this checkout's keras_mp, not an installed one)
+
+
+VARIANTS = [
+    "plain", "plain_again", "keras", "keras_mp", "no_cond", "cond_only",
+    "no_unscale", "unscale_only", "exact_check",
+]
+TF_ONLY = ("no_unscale", "unscale_only", "exact_check")
 
 
 def _optimizer_class(keras, keras_mp, ops):
@@ -75,15 +91,21 @@ def _optimizer_class(keras, keras_mp, ops):
                 )
             raise ValueError(self.variant)
 
+        def check_finite(self, grads):
+            if self.variant != "exact_check":
+                return super().check_finite(grads)
+            present = [backend_ops.dense_values(g) for g in grads if g is not None]
+            return backend_ops._exact_all_finite(present)
+
         def _tf_apply(self, grads, trainable_variables, unscaled_by_caller):
-            if self.variant == "keras_mp":
+            if self.variant in ("keras_mp", "exact_check"):
                 return super()._tf_apply(grads, trainable_variables, unscaled_by_caller)
             state = self._state()
             if self.variant == "no_unscale":
                 self.inner_optimizer.apply(grads, trainable_variables)
                 return
-            if self.variant == "no_cond":
-                finite = backend_ops.all_finite(grads)
+            if self.variant in ("no_cond", "unscale_only"):
+                finite = True if self.variant == "unscale_only" else backend_ops.all_finite(grads)
                 self.inner_optimizer.apply(
                     self._unscaled(grads, trainable_variables, state.scale, False),
                     trainable_variables,
@@ -195,8 +217,8 @@ def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument(
         "--variants", nargs="+",
-        choices=["plain", "plain_again", "keras", "keras_mp", "no_cond", "cond_only", "no_unscale"],
-        help="no_unscale: TensorFlow only",
+        choices=VARIANTS,
+        help="no_unscale, unscale_only, exact_check: TensorFlow only",
     )
     parser.add_argument("--samples", type=int, default=151)
     parser.add_argument("--steps", type=int, default=20, help="steps per sample")
@@ -222,6 +244,8 @@ def main():
     default = ["plain", "plain_again", "keras", "keras_mp", "no_cond", "cond_only"]
     if backend == "tensorflow":
         default.append("no_unscale")
+    elif args.variants and set(args.variants) & set(TF_ONLY):
+        parser.error(f"--variants {' '.join(TF_ONLY)} exist on TensorFlow only")
     variants = args.variants or default
     if "plain" not in variants:
         variants = ["plain"] + variants
@@ -247,11 +271,25 @@ def main():
         f"{backend} ({'XLA' if jit is True else jit}), {args.policy}, plain step "
         f"{statistics.median(times['plain']) * 1e6:.0f} us, {args.samples} paired samples"
     )
-    print("| variant | median ratio to plain | quartiles |\n|---|---|---|")
+    print(
+        "| variant | median ratio to plain | quartiles | fastest decile's ratio |\n"
+        "|---|---|---|---|"
+    )
+    plain_fast = _fastest_decile(times["plain"])
     for v in variants:
         ratios = sorted(a / b for a, b in zip(times[v], times["plain"]))
         q = len(ratios) // 4
-        print(f"| {v} | {statistics.median(ratios):.3f} | {ratios[q]:.3f}–{ratios[-q - 1]:.3f} |")
+        print(
+            f"| {v} | {statistics.median(ratios):.3f} | {ratios[q]:.3f}–{ratios[-q - 1]:.3f} "
+            f"| {_fastest_decile(times[v]) / plain_fast:.3f} |"
+        )
+
+
+def _fastest_decile(samples):
+    """Mean of the fastest tenth of the samples: what the step costs when
+    nothing else on the machine interferes (a shared VM's noise only adds)."""
+    fast = sorted(samples)[: max(1, len(samples) // 10)]
+    return sum(fast) / len(fast)
 
 
 if __name__ == "__main__":

@@ -2,6 +2,7 @@
 inner optimizer's features, serialization, custom training loops."""
 
 import keras
+import ml_dtypes
 import numpy as np
 import pytest
 from hypothesis import example
@@ -213,6 +214,25 @@ def test_xla_step_keeps_the_skip_a_conditional():
 
 
 @pytest.mark.skipif(BACKEND != "tensorflow", reason="TensorFlow's XLA step")
+def test_xla_check_of_float32_gradients_reads_them_once():
+    """Under XLA the float32 check is a sum of each gradient; the elementwise
+    `all(isfinite(g))` (an elementwise pass written out, then a separate
+    reduction on XLA's CPU backend: 1.09x the plain MLP step against
+    1.05-1.08) runs only in the conditional's branch for a non-finite sum."""
+    import tensorflow as tf
+
+    check = tf.function(backend_ops.all_finite, jit_compile=True)
+    grads = [_tensor(np.ones((64, 32))), _tensor(np.ones(32))]
+    hlo = check.experimental_get_compiler_ir(grads)(stage="optimized_hlo")
+    entry = hlo[hlo.index("ENTRY") :]
+    assert " conditional(" in entry
+    assert "pred[64,32]" not in entry, entry
+    assert bool(_numpy(check(grads)))
+    assert not bool(_numpy(check([grads[0], _tensor([1.0] * 31 + [np.nan])])))
+    assert bool(_numpy(check([_tensor(np.full((64, 32), 3e38)), grads[1]])))
+
+
+@pytest.mark.skipif(BACKEND != "tensorflow", reason="TensorFlow's XLA step")
 def test_xla_step_takes_half_precision_gradients_into_the_conditional_narrow():
     """Gradients cast up from float16 (a mixed policy's) must not be written
     out as float32 before the conditional (one more pass over every gradient,
@@ -299,12 +319,16 @@ def test_fixed_scale_skips_but_keeps_the_scale():
         ([[np.inf, -np.inf], [3.0]], False),  # the sum would be nan anyway
     ],
 )
-@pytest.mark.parametrize("dtype", ["float32", "float16"])
-def test_all_finite_is_exact(grads, expected, dtype):
+@pytest.mark.parametrize("dtype", ["float32", "float16", "bfloat16"])
+@pytest.mark.parametrize("mode", ["eager", "compiled"])
+def test_all_finite_is_exact(grads, expected, dtype, mode):
+    """bfloat16 has float32's range: its float32 sums overflow as float32's do."""
     if dtype == "float16":
         grads = [[min(v, 6e4) if np.isfinite(v) else v for v in g] for g in grads]
+    dtype = ml_dtypes.bfloat16 if dtype == "bfloat16" else dtype
     tensors = [_tensor(g, dtype) for g in grads] + [None]
-    assert bool(_numpy(backend_ops.all_finite(tensors))) is expected
+    check = _compiled(backend_ops.all_finite, COMPILE_MODES[-1] if mode == "compiled" else mode)
+    assert bool(_numpy(check(tensors))) is expected
 
 
 def test_all_finite_mixed_dtypes():
