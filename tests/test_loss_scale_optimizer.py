@@ -233,6 +233,26 @@ def test_xla_check_of_float32_gradients_reads_them_once():
 
 
 @pytest.mark.skipif(BACKEND != "tensorflow", reason="TensorFlow's XLA step")
+def test_xla_check_of_float16_gradients_reduces_rows_of_eight():
+    """XLA's CPU backend reduces `isfinite` over rows of 8 values about twice
+    as fast as over a layer's own shape (1.09x the plain mixed_float16 MLP
+    step against 1.11-1.13x); sizes that are not a multiple of 8 keep theirs."""
+    import tensorflow as tf
+
+    check = tf.function(backend_ops.all_finite, jit_compile=True)
+    grads = [_tensor(np.ones((64, 32)), "float16"), _tensor(np.ones(31), "float16")]
+    hlo = check.experimental_get_compiler_ir(grads)(stage="optimized_hlo")
+    entry = hlo[hlo.index("ENTRY") :]
+    assert "= pred[256,8]" in entry and "= pred[64,32]" not in entry, entry
+    assert bool(_numpy(check(grads)))
+    for bad in (np.nan, np.inf, -np.inf):
+        values = np.ones((64, 32))
+        values[63, 31] = bad
+        assert not bool(_numpy(check([_tensor(values, "float16"), grads[1]])))
+        assert not bool(_numpy(check([grads[0], _tensor([1.0] * 30 + [bad], "float16")])))
+
+
+@pytest.mark.skipif(BACKEND != "tensorflow", reason="TensorFlow's XLA step")
 def test_xla_step_takes_half_precision_gradients_into_the_conditional_narrow():
     """Gradients cast up from float16 (a mixed policy's) must not be written
     out as float32 before the conditional (one more pass over every gradient,

@@ -119,8 +119,30 @@ def widen(origins, grads):
 
 
 def _exact_all_finite(grads):
+    if _in_tf_xla_context():
+        grads = [_xla_rows_of_eight(g) for g in grads]
     flags = [ops.all(ops.isfinite(g)) for g in grads]
     return flags[0] if len(flags) == 1 else ops.all(ops.stack(flags))
+
+
+def _xla_rows_of_eight(g):
+    """`g` reshaped to rows of 8 values, where its size allows.
+
+    XLA's CPU backend writes `isfinite(g)` out and reduces it in windows; over
+    rows of 8 the windows reduce about twice as fast as over a layer's own
+    shape (the float16 gradients of the MLP of `benchmarks/`: 80-95 us
+    against 180-200 us; its mixed_float16 step 1.09x the plain one against
+    1.11-1.12x). The reshape is free (a bitcast); the answer is the same.
+    """
+    shape = tuple(g.shape)
+    if any(d is None for d in shape):
+        return g
+    size = 1
+    for d in shape:
+        size *= d
+    if size == 0 or size % 8:
+        return g
+    return ops.reshape(g, (size // 8, 8))
 
 
 def all_finite(grads):
