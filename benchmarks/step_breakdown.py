@@ -10,6 +10,8 @@ Variants (keras_mp's own step with one piece removed at a time):
 
 - plain: the inner optimizer alone; keras: Keras's built-in
   LossScaleOptimizer; keras_mp: keras_mp's.
+- no_logs: keras_mp's step without its telemetry (`loss_scale` and
+  `skipped_steps` in `fit`'s logs).
 - plain_again: a second, identical plain model: the control. Its ratio is
   what this machine's noise and the order of the samples alone produce.
 - no_cond: keras_mp's check is computed (it feeds the state update only) and
@@ -48,7 +50,7 @@ import _checkout  # noqa: F401  (this checkout's keras_mp, not an installed one)
 
 
 VARIANTS = [
-    "plain", "plain_again", "keras", "keras_mp", "no_cond", "cond_only",
+    "plain", "plain_again", "keras", "keras_mp", "no_logs", "no_cond", "cond_only",
     "no_unscale", "unscale_only", "exact_check",
 ]
 TF_ONLY = ("no_unscale", "unscale_only", "exact_check")
@@ -158,13 +160,17 @@ def _build(keras, keras_mp, variant, jit_compile):
         optimizer = keras.optimizers.LossScaleOptimizer(inner)
     else:
         optimizer = _optimizer_class(keras, keras_mp, ops)(inner)
-        optimizer.variant = variant
+        optimizer.variant = "keras_mp" if variant == "no_logs" else variant
     model.compile(
         optimizer=optimizer,
         loss="sparse_categorical_crossentropy",
         auto_scale_loss=False,
         jit_compile=jit_compile,
     )
+    if variant == "no_logs":
+        # Keras's own train step, without keras_mp's telemetry in the logs.
+        model.__dict__.pop("train_step", None)
+        model.train_function = None
     return model
 
 
