@@ -28,6 +28,8 @@ import sys
 import time
 
 import _checkout  # noqa: F401  (this checkout's keras_mp, not an installed one)
+from _common import fastest_decile
+from _common import without_telemetry
 
 BACKENDS = ("tensorflow", "jax", "torch")
 TIMER_SKIP = 3  # steps of each epoch left out of its timing
@@ -125,9 +127,7 @@ def run_one_backend(rounds, steps, batch, policies=POLICIES, model_names=MODELS,
                     jit_compile=jit_compile,
                 )
                 if variant == "keras_mp_no_logs":
-                    # Keras's own train step, without keras_mp's telemetry.
-                    model.__dict__.pop("train_step", None)
-                    model.train_function = None
+                    without_telemetry(model)
                 if x is None:
                     # Size the epoch to the configuration's speed: float16 on
                     # a CPU without half kernels is two orders slower.
@@ -158,8 +158,8 @@ def run_one_backend(rounds, steps, batch, policies=POLICIES, model_names=MODELS,
                     ratio("keras_mp", "plain"),
                     ratio("keras_mp", "keras"),
                     ratio("keras_mp", "keras_mp_no_logs"),
-                    _fastest_decile(times["keras"]) / _fastest_decile(times["plain"]),
-                    _fastest_decile(times["keras_mp"]) / _fastest_decile(times["plain"]),
+                    fastest_decile(times["keras"]) / fastest_decile(times["plain"]),
+                    fastest_decile(times["keras_mp"]) / fastest_decile(times["plain"]),
                 )
             )
             keras.config.set_dtype_policy("float32")
@@ -175,14 +175,6 @@ def _paired_median(times_a, times_b):
     rounds that a neighbour disturbed.
     """
     return statistics.median(a / b for a, b in zip(times_a, times_b))
-
-
-def _fastest_decile(times):
-    """Mean of the fastest tenth of the epochs: noise on a shared machine only
-    adds time, so this is the steadier estimate of what a step costs. Unlike
-    medians of ratios, ratios of these compose (a/b times b/c is a/c)."""
-    fast = sorted(times)[: max(1, len(times) // 10)]
-    return sum(fast) / len(fast)
 
 
 def _calibrated_steps(keras, model, shape, batch, steps, rng, budget_s=0.4):

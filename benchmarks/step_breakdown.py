@@ -28,8 +28,8 @@ Variants (keras_mp's own step with one piece removed at a time):
 
 The last column, the mean of each variant's fastest tenth of samples over
 plain's, is the steadier estimate on a shared machine (noise only adds
-time): the control lands within 1-1.5 % of 1.00 there, against 2-3 % for
-the median.
+time): the control landed at 0.99-1.03 there in every run of
+`RESULTS.md`, where its median moved by up to 3 %.
 
     KERAS_BACKEND=jax python benchmarks/step_breakdown.py
     KERAS_BACKEND=tensorflow python benchmarks/step_breakdown.py --jit-compile true
@@ -47,6 +47,8 @@ import time
 import numpy as np
 
 import _checkout  # noqa: F401  (this checkout's keras_mp, not an installed one)
+from _common import fastest_decile
+from _common import without_telemetry
 
 
 VARIANTS = [
@@ -168,9 +170,7 @@ def _build(keras, keras_mp, variant, jit_compile):
         jit_compile=jit_compile,
     )
     if variant == "no_logs":
-        # Keras's own train step, without keras_mp's telemetry in the logs.
-        model.__dict__.pop("train_step", None)
-        model.train_function = None
+        without_telemetry(model)
     return model
 
 
@@ -281,21 +281,14 @@ def main():
         "| variant | median ratio to plain | quartiles | fastest decile's ratio |\n"
         "|---|---|---|---|"
     )
-    plain_fast = _fastest_decile(times["plain"])
+    plain_fast = fastest_decile(times["plain"])
     for v in variants:
         ratios = sorted(a / b for a, b in zip(times[v], times["plain"]))
         q = len(ratios) // 4
         print(
             f"| {v} | {statistics.median(ratios):.3f} | {ratios[q]:.3f}–{ratios[-q - 1]:.3f} "
-            f"| {_fastest_decile(times[v]) / plain_fast:.3f} |"
+            f"| {fastest_decile(times[v]) / plain_fast:.3f} |"
         )
-
-
-def _fastest_decile(samples):
-    """Mean of the fastest tenth of the samples: what the step costs when
-    nothing else on the machine interferes (a shared VM's noise only adds)."""
-    fast = sorted(samples)[: max(1, len(samples) // 10)]
-    return sum(fast) / len(fast)
 
 
 if __name__ == "__main__":

@@ -11,9 +11,9 @@ import math
 import keras
 from keras import ops
 
-# Sums of these dtypes cannot overflow for elementwise-finite float16/bfloat16
-# data and only overflow for float32 data near float32's maximum, where the
-# exact check below takes over.
+# Gradients of these dtypes are checked by their sum, which overflows only for
+# values near float32's maximum (where the exact check takes over); narrower
+# ones elementwise, since a float32 sum of them needs a float32 copy first.
 _WIDE_FLOATS = ("float32", "float64")
 
 
