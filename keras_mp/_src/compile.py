@@ -34,12 +34,12 @@ def pick_auto_level(backend=None):
       with dynamic loss scaling; bfloat16 where the GPU has it natively (>= 8.0)
       is as fast and needs no scaling, but float16 is the common baseline.
     - A CPU with native bfloat16 instructions (AVX512_BF16 or AMX) on the
-      TensorFlow backend: O2 in bfloat16. Measured on such a CPU
+      TensorFlow backend: O2 in bfloat16. Measured on two such CPUs
       (benchmarks/RESULTS.md): 1.03-1.18x on dense and convolutional models,
-      0.95x on a transformer block.
-    - Otherwise O0. On the same CPU, PyTorch's bfloat16 gains 1.14x on
-      convolutions but halves attention's speed, and JAX's CPU backend is
-      slower in bfloat16 and float16 on every model measured.
+      0.95-0.97x on a transformer block.
+    - Otherwise O0. On the same CPUs, PyTorch's bfloat16 gains 1.05-1.14x
+      on convolutions but loses 39-48 % on attention, and JAX's CPU backend
+      is slower in bfloat16 and float16 on every model measured.
     """
     backend = backend or keras.backend.backend()
     capability = _gpu_compute_capability(backend)
