@@ -4,7 +4,7 @@
 train step alone, in many short samples, each variant timed right after the
 plain step (paired), and prints the median and the quartiles of the ratios.
 It is for differences of 1-3 %, which epoch timings on a small shared
-machine cannot resolve. MLP 784-256-256-256-10, batch 64, Adam.
+machine cannot resolve. MLP 784-256-256-256-10, batch 64 (`--batch`), Adam.
 
 Variants (keras_mp's own step with one piece removed at a time):
 
@@ -174,11 +174,11 @@ def _build(keras, keras_mp, variant, jit_compile):
     return model
 
 
-def _jax_runner(model, x, y):
+def _jax_runner(model, x, y, batch):
     import jax
     import jax.numpy as jnp
 
-    model.fit(x, y, batch_size=64, epochs=1, verbose=0)
+    model.fit(x, y, batch_size=batch, epochs=1, verbose=0)
     model.make_train_function()
     cells = [c.cell_contents for c in model.train_function.__closure__ or ()]
     step = [c for c in cells if hasattr(c, "lower")][0]  # the jitted train_step
@@ -191,7 +191,7 @@ def _jax_runner(model, x, y):
             [v.value for v in model.metrics_variables],
         ),
     )
-    data = (jnp.asarray(x[:64]), jnp.asarray(y[:64]))
+    data = (jnp.asarray(x[:batch]), jnp.asarray(y[:batch]))
     box = [state]
 
     def run(n):
@@ -204,12 +204,12 @@ def _jax_runner(model, x, y):
     return run
 
 
-def _tf_runner(model, x, y):
+def _tf_runner(model, x, y, batch):
     import tensorflow as tf
 
-    model.fit(x, y, batch_size=64, epochs=1, verbose=0)
+    model.fit(x, y, batch_size=batch, epochs=1, verbose=0)
     function = model.make_train_function()
-    iterator = iter(tf.data.Dataset.from_tensors((x[:64], y[:64])).repeat())
+    iterator = iter(tf.data.Dataset.from_tensors((x[:batch], y[:batch])).repeat())
 
     def run(n):
         for _ in range(n):
@@ -228,12 +228,16 @@ def main():
     )
     parser.add_argument("--samples", type=int, default=151)
     parser.add_argument("--steps", type=int, default=20, help="steps per sample")
+    parser.add_argument("--batch", type=int, default=64)
     parser.add_argument("--policy", default="float32", choices=["float32", "mixed_float16"])
     parser.add_argument("--jit-compile", default="auto", choices=["auto", "true", "false"])
     parser.add_argument("--one-thread", action="store_true", help="TensorFlow: one inter- and intra-op thread")
     args = parser.parse_args()
-    if args.samples < 1 or args.steps < 1:
-        parser.error(f"--samples and --steps must be positive, got {args.samples} and {args.steps}")
+    if min(args.samples, args.steps, args.batch) < 1:
+        parser.error(
+            "--samples, --steps and --batch must be positive, got "
+            f"{args.samples}, {args.steps} and {args.batch}"
+        )
 
     import keras
 
@@ -258,10 +262,10 @@ def main():
     jit = {"auto": "auto", "true": True, "false": False}[args.jit_compile]
     keras.config.set_dtype_policy(args.policy)
     rng = np.random.default_rng(0)
-    x = rng.normal(size=(64, 784)).astype("float32")
-    y = rng.integers(0, 10, size=(64,))
+    x = rng.normal(size=(args.batch, 784)).astype("float32")
+    y = rng.integers(0, 10, size=(args.batch,))
     runner = _jax_runner if backend == "jax" else _tf_runner
-    runs = {v: runner(_build(keras, keras_mp, v, jit), x, y) for v in variants}
+    runs = {v: runner(_build(keras, keras_mp, v, jit), x, y, args.batch) for v in variants}
     for run in runs.values():
         run(args.steps)
 
@@ -274,7 +278,7 @@ def main():
             times[v].append((time.perf_counter() - start) / args.steps)
 
     print(
-        f"{backend} ({'XLA' if jit is True else jit}), {args.policy}, plain step "
+        f"{backend} ({'XLA' if jit is True else jit}), {args.policy}, batch {args.batch}, plain step "
         f"{statistics.median(times['plain']) * 1e6:.0f} us, {args.samples} paired samples"
     )
     print(
