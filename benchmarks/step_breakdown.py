@@ -174,11 +174,11 @@ def _build(keras, keras_mp, variant, jit_compile):
     return model
 
 
-def _jax_runner(model, x, y, batch):
+def _jax_runner(model, x, y):
     import jax
     import jax.numpy as jnp
 
-    model.fit(x, y, batch_size=batch, epochs=1, verbose=0)
+    model.fit(x, y, batch_size=len(x), epochs=1, verbose=0)
     model.make_train_function()
     cells = [c.cell_contents for c in model.train_function.__closure__ or ()]
     step = [c for c in cells if hasattr(c, "lower")][0]  # the jitted train_step
@@ -191,7 +191,7 @@ def _jax_runner(model, x, y, batch):
             [v.value for v in model.metrics_variables],
         ),
     )
-    data = (jnp.asarray(x[:batch]), jnp.asarray(y[:batch]))
+    data = (jnp.asarray(x), jnp.asarray(y))
     box = [state]
 
     def run(n):
@@ -204,12 +204,12 @@ def _jax_runner(model, x, y, batch):
     return run
 
 
-def _tf_runner(model, x, y, batch):
+def _tf_runner(model, x, y):
     import tensorflow as tf
 
-    model.fit(x, y, batch_size=batch, epochs=1, verbose=0)
+    model.fit(x, y, batch_size=len(x), epochs=1, verbose=0)
     function = model.make_train_function()
-    iterator = iter(tf.data.Dataset.from_tensors((x[:batch], y[:batch])).repeat())
+    iterator = iter(tf.data.Dataset.from_tensors((x, y)).repeat())
 
     def run(n):
         for _ in range(n):
@@ -265,7 +265,7 @@ def main():
     x = rng.normal(size=(args.batch, 784)).astype("float32")
     y = rng.integers(0, 10, size=(args.batch,))
     runner = _jax_runner if backend == "jax" else _tf_runner
-    runs = {v: runner(_build(keras, keras_mp, v, jit), x, y, args.batch) for v in variants}
+    runs = {v: runner(_build(keras, keras_mp, v, jit), x, y) for v in variants}
     for run in runs.values():
         run(args.steps)
 
