@@ -1,8 +1,17 @@
 """Accuracy parity on real data: scikit-learn's bundled digits (no download).
 
 A small CNN trained at O0, O1 and O2, in float16 and bfloat16, with fixed
-seeds and enough epochs to converge: every mixed-precision run's test
-accuracy is within 1 point of the float32 (O0) run's.
+seeds and enough epochs to converge: each level's test accuracy, averaged
+over the same few seeds, is within 1 point of the float32 (O0) one.
+
+Why an average and not one seed: the test set is 597 images, and float32
+against itself with another seed already moves by up to 8 of them (1.3
+points; seeds 0-3 here). Any change in the arithmetic (a half dtype, or
+only another CPU's kernels) moves a run as far as a new seed would: on an
+AMD EPYC, PyTorch's seed-0 O1 bfloat16 run scored 7 images above its O0
+run, every time, where the earlier CI machines had passed. The mean over
+seeds divides that noise by about 1.7 and leaves a broken mixed-precision
+run (lost gradients, skipped steps) as far outside the bound as before.
 """
 
 import keras
@@ -13,9 +22,10 @@ import keras_mp
 
 sklearn_datasets = pytest.importorskip("sklearn.datasets")
 
-EPOCHS = 60
+EPOCHS = 40
 BATCH = 64
 TRAIN = 1200
+SEEDS = (0, 1, 2)
 
 
 def _digits():
@@ -27,9 +37,9 @@ def _digits():
     return (x[:TRAIN], y[:TRAIN]), (x[TRAIN:], y[TRAIN:])
 
 
-def _accuracy(level, dtype):
+def _accuracy(level, dtype, seed):
     (x, y), (x_test, y_test) = _digits()
-    keras.utils.set_random_seed(0)
+    keras.utils.set_random_seed(seed)
     model = keras.Sequential(
         [
             keras.Input((8, 8, 1)),
@@ -56,15 +66,23 @@ def _accuracy(level, dtype):
     return model.evaluate(x_test, y_test, verbose=0)[1]
 
 
+def _accuracies(level, dtype):
+    return [_accuracy(level, dtype, seed) for seed in SEEDS]
+
+
 @pytest.fixture(scope="module")
-def float32_accuracy():
-    accuracy = _accuracy("O0", "float16")
-    assert accuracy > 0.9, f"the float32 baseline did not converge: {accuracy}"
-    return accuracy
+def float32_accuracies():
+    accuracies = _accuracies("O0", "float16")
+    assert min(accuracies) > 0.9, f"the float32 baseline did not converge: {accuracies}"
+    return accuracies
 
 
 @pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
 @pytest.mark.parametrize("level", ["O1", "O2"])
-def test_mixed_precision_matches_float32(float32_accuracy, level, dtype):
-    accuracy = _accuracy(level, dtype)
-    assert abs(accuracy - float32_accuracy) <= 0.01, (level, dtype, accuracy, float32_accuracy)
+def test_mixed_precision_matches_float32(float32_accuracies, level, dtype):
+    accuracies = _accuracies(level, dtype)
+    gap = np.mean(accuracies) - np.mean(float32_accuracies)
+    assert abs(gap) <= 0.01, (
+        f"{level} {dtype} test accuracy, mean over seeds {SEEDS}, is {gap:+.4f} "
+        f"from float32's: {level} {accuracies}, O0 {float32_accuracies}"
+    )
