@@ -1,5 +1,8 @@
 """Pieces the benchmark scripts share."""
 
+import statistics
+import time
+
 
 def fastest_decile(samples):
     """Mean of the fastest tenth of the samples (at least one).
@@ -10,6 +13,39 @@ def fastest_decile(samples):
     """
     fast = sorted(samples)[: max(1, len(samples) // 10)]
     return sum(fast) / len(fast)
+
+
+def time_paired(runs, samples, steps):
+    """Per-step times of each runner, paired: every sample times each in turn.
+
+    `runs` maps a name to a function that runs `n` steps and waits for them.
+    The order alternates between samples, so that no variant always runs
+    right after the same one. Returns a dict of lists of seconds per step.
+    """
+    names = list(runs)
+    times = {name: [] for name in names}
+    for sample in range(samples):
+        for name in names if sample % 2 == 0 else names[::-1]:
+            start = time.perf_counter()
+            runs[name](steps)
+            times[name].append((time.perf_counter() - start) / steps)
+    return times
+
+
+def print_ratio_table(times, base="plain"):
+    """Markdown table of each variant's paired ratios to `base`."""
+    print(
+        f"| variant | median ratio to {base} | quartiles | fastest decile's ratio |\n"
+        "|---|---|---|---|"
+    )
+    base_fast = fastest_decile(times[base])
+    for name, samples in times.items():
+        ratios = sorted(a / b for a, b in zip(samples, times[base]))
+        q = len(ratios) // 4
+        print(
+            f"| {name} | {statistics.median(ratios):.3f} | {ratios[q]:.3f}–{ratios[-q - 1]:.3f} "
+            f"| {fastest_decile(samples) / base_fast:.3f} |"
+        )
 
 
 def without_telemetry(model):

@@ -42,12 +42,12 @@ apply overflowing steps); they exist only to be timed.
 import argparse
 import os
 import statistics
-import time
 
 import numpy as np
 
 import _checkout  # noqa: F401  (this checkout's keras_mp, not an installed one)
-from _common import fastest_decile
+from _common import print_ratio_table
+from _common import time_paired
 from _common import without_telemetry
 
 
@@ -269,31 +269,13 @@ def main():
     for run in runs.values():
         run(args.steps)
 
-    times = {v: [] for v in variants}
-    for sample in range(args.samples):
-        order = variants if sample % 2 == 0 else variants[::-1]
-        for v in order:
-            start = time.perf_counter()
-            runs[v](args.steps)
-            times[v].append((time.perf_counter() - start) / args.steps)
+    times = time_paired(runs, args.samples, args.steps)
 
     print(
         f"{backend} ({'XLA' if jit is True else jit}), {args.policy}, batch {args.batch}, plain step "
         f"{statistics.median(times['plain']) * 1e6:.0f} us, {args.samples} paired samples"
     )
-    print(
-        "| variant | median ratio to plain | quartiles | fastest decile's ratio |\n"
-        "|---|---|---|---|"
-    )
-    plain_fast = fastest_decile(times["plain"])
-    for v in variants:
-        ratios = sorted(a / b for a, b in zip(times[v], times["plain"]))
-        q = len(ratios) // 4
-        print(
-            f"| {v} | {statistics.median(ratios):.3f} | {ratios[q]:.3f}–{ratios[-q - 1]:.3f} "
-            f"| {fastest_decile(times[v]) / plain_fast:.3f} |"
-        )
-
+    print_ratio_table(times)
 
 if __name__ == "__main__":
     os.environ.setdefault("KERAS_BACKEND", "jax")
