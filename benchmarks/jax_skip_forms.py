@@ -1,0 +1,207 @@
+"""Ways to skip an overflowing step in one jitted JAX step (a benchmark).
+
+Pure JAX, no Keras and no keras_mp: the same MLP as `step_breakdown.py`
+(784-256-256-256-10, batch 64, `--batch`), its loss, gradients and an Adam
+update written out in `jax.numpy`, with the buffers donated as Keras's
+trainer donates them. Each variant is one way of writing the skip, timed
+paired against the plain step. The question it answers: can any form of a
+skip that leaves the weights untouched keep the plain step's time on CPU?
+
+Variants:
+
+- plain, plain_again: no scaling; the second is the control.
+- scaled: the loss scaled, the gradients unscaled, nothing checked.
+- check_no_cond: also the finiteness check (keras_mp's sums), feeding only
+  the step counter: the check's own cost.
+- cond_only: the update inside `lax.cond` on a predicate that reads no
+  gradient: the conditional's own cost.
+- keras_mp_form: the check on the scaled gradients, then `lax.cond`, the
+  unscaling inside the taken branch (keras_mp's form).
+- check_unscaled_then_cond: unscale first, check the unscaled gradients,
+  then `lax.cond`.
+- compute_then_cond: the update always computed, then `lax.cond` picks the
+  new or the old values.
+- compute_then_where: the same with `jnp.where` per array (no conditional).
+
+    python benchmarks/jax_skip_forms.py
+    taskset -c 0 python benchmarks/jax_skip_forms.py --variants plain plain_again cond_only
+
+The variants other than plain and the three skip forms apply overflowing
+steps; they exist only to be timed.
+"""
+
+import argparse
+import functools
+import statistics
+
+import numpy as np
+
+from _common import print_ratio_table
+from _common import time_paired
+
+SHAPES = [(784, 256), (256,), (256, 256), (256,), (256, 256), (256,), (256, 10), (10,)]
+LEARNING_RATE, BETA_1, BETA_2, EPSILON = 1e-3, 0.9, 0.999, 1e-7
+
+
+def _steps(jax, jnp, x, y):
+    """The variants' jitted steps: (params, m, v, t, scale) -> (params, m, v, t)."""
+
+    def loss_fn(params):
+        h = x
+        for i in range(0, 6, 2):
+            h = jax.nn.relu(h @ params[i] + params[i + 1])
+        logits = h @ params[6] + params[7]
+        log_probs = jax.nn.log_softmax(logits)
+        return -jnp.mean(jnp.take_along_axis(log_probs, y[:, None], 1))
+
+    def grads(params, scale):
+        return jax.grad(lambda p: loss_fn(p) * scale)(params)
+
+    def unscale(g, scale):
+        inverse = 1 / scale
+        return [gi * inverse for gi in g]
+
+    def all_finite(g):
+        # keras_mp's sums on JAX: a matrix-vector product per matrix, which
+        # XLA's CPU backend runs faster than a reduction (`backend_ops`).
+        # keras_mp adds an exact check, in a `cond`, only for a non-finite sum.
+        total = 0.0
+        for gi in g:
+            if gi.ndim < 2:
+                total = total + jnp.sum(gi)
+            else:
+                column_sums = jnp.ones((gi.shape[0],), gi.dtype) @ gi
+                total = total + column_sums @ jnp.ones((gi.shape[1],), gi.dtype)
+        return jnp.isfinite(total)
+
+    def adam(params, m, v, g, t):
+        t = t + 1
+        m = [BETA_1 * mi + (1 - BETA_1) * gi for mi, gi in zip(m, g)]
+        v = [BETA_2 * vi + (1 - BETA_2) * gi * gi for vi, gi in zip(v, g)]
+        rate = LEARNING_RATE * jnp.sqrt(1 - BETA_2**t) / (1 - BETA_1**t)
+        params = [p - rate * mi / (jnp.sqrt(vi) + EPSILON) for p, mi, vi in zip(params, m, v)]
+        return params, m, v, t
+
+    def plain(params, m, v, t, scale):
+        return adam(params, m, v, jax.grad(loss_fn)(params), t)
+
+    def scaled(params, m, v, t, scale):
+        return adam(params, m, v, unscale(grads(params, scale), scale), t)
+
+    def check_no_cond(params, m, v, t, scale):
+        g = grads(params, scale)
+        finite = all_finite(g)
+        params, m, v, t = adam(params, m, v, unscale(g, scale), t)
+        return params, m, v, t + finite.astype(t.dtype) - 1
+
+    def conditional(predicate, g, params, m, v, t, scale):
+        return jax.lax.cond(
+            predicate,
+            lambda: adam(params, m, v, unscale(g, scale), t),
+            lambda: (params, m, v, t),
+        )
+
+    def cond_only(params, m, v, t, scale):
+        return conditional(scale > 0, grads(params, scale), params, m, v, t, scale)
+
+    def keras_mp_form(params, m, v, t, scale):
+        g = grads(params, scale)
+        return conditional(all_finite(g), g, params, m, v, t, scale)
+
+    def check_unscaled_then_cond(params, m, v, t, scale):
+        g = unscale(grads(params, scale), scale)
+        return conditional(all_finite(g), g, params, m, v, t, 1.0)
+
+    def compute_then_cond(params, m, v, t, scale):
+        g = unscale(grads(params, scale), scale)
+        new = adam(params, m, v, g, t)
+        return jax.lax.cond(all_finite(g), lambda: new, lambda: (params, m, v, t))
+
+    def compute_then_where(params, m, v, t, scale):
+        g = unscale(grads(params, scale), scale)
+        finite = all_finite(g)
+        new = adam(params, m, v, g, t)
+        old = (params, m, v, t)
+        return tuple(
+            [jnp.where(finite, a, b) for a, b in zip(n, o)] if isinstance(n, list)
+            else jnp.where(finite, n, o)
+            for n, o in zip(new, old)
+        )
+
+    forms = {
+        "plain": plain, "plain_again": plain, "scaled": scaled,
+        "check_no_cond": check_no_cond, "cond_only": cond_only,
+        "keras_mp_form": keras_mp_form,
+        "check_unscaled_then_cond": check_unscaled_then_cond,
+        "compute_then_cond": compute_then_cond,
+        "compute_then_where": compute_then_where,
+    }
+    jit = functools.partial(jax.jit, donate_argnums=(0, 1, 2))
+    return {name: jit(form) for name, form in forms.items()}
+
+
+VARIANTS = [
+    "plain", "plain_again", "scaled", "check_no_cond", "cond_only", "keras_mp_form",
+    "check_unscaled_then_cond", "compute_then_cond", "compute_then_where",
+]
+
+
+def _runner(jax, jnp, step, scale):
+    rng = np.random.default_rng(0)
+    params = [jnp.asarray(rng.normal(size=s).astype("float32") * 0.05) for s in SHAPES]
+    state = (
+        params,
+        [jnp.zeros(s, "float32") for s in SHAPES],
+        [jnp.zeros(s, "float32") for s in SHAPES],
+        jnp.asarray(0, "int32"),
+    )
+    box = [state]
+
+    def run(n):
+        state = box[0]
+        for _ in range(n):
+            state = step(*state, scale)
+        jax.block_until_ready(state)
+        box[0] = state
+
+    return run
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--variants", nargs="+", choices=VARIANTS)
+    parser.add_argument("--samples", type=int, default=201)
+    parser.add_argument("--steps", type=int, default=20, help="steps per sample")
+    parser.add_argument("--batch", type=int, default=64)
+    args = parser.parse_args()
+    if min(args.samples, args.steps, args.batch) < 1:
+        parser.error(
+            "--samples, --steps and --batch must be positive, got "
+            f"{args.samples}, {args.steps} and {args.batch}"
+        )
+
+    import jax
+    import jax.numpy as jnp
+
+    variants = args.variants or VARIANTS
+    if "plain" not in variants:
+        variants = ["plain"] + variants
+    rng = np.random.default_rng(0)
+    x = jnp.asarray(rng.normal(size=(args.batch, 784)).astype("float32"))
+    y = jnp.asarray(rng.integers(0, 10, size=(args.batch,)))
+    steps = _steps(jax, jnp, x, y)
+    scale = jnp.float32(1024.0)
+    runs = {v: _runner(jax, jnp, steps[v], scale) for v in variants}
+    for run in runs.values():
+        run(args.steps)
+
+    times = time_paired(runs, args.samples, args.steps)
+    print(
+        f"jax {jax.__version__} ({jax.default_backend()}), batch {args.batch}, plain step "
+        f"{statistics.median(times['plain']) * 1e6:.0f} us, {args.samples} paired samples"
+    )
+    print_ratio_table(times)
+
+
+if __name__ == "__main__":
+    main()
