@@ -32,6 +32,33 @@ def time_paired(runs, samples, steps):
     return times
 
 
+def add_step_arguments(parser, samples):
+    """--samples, --steps and --batch, for the scripts that time one step."""
+    parser.add_argument("--samples", type=int, default=samples)
+    parser.add_argument("--steps", type=int, default=20, help="steps per sample")
+    parser.add_argument("--batch", type=int, default=64)
+
+
+def check_step_arguments(parser, args):
+    if min(args.samples, args.steps, args.batch) < 1:
+        parser.error(
+            "--samples, --steps and --batch must be positive, got "
+            f"{args.samples}, {args.steps} and {args.batch}"
+        )
+
+
+def report_paired(runs, args, title):
+    """Warms each runner up, times them paired, prints the ratios to plain."""
+    for run in runs.values():
+        run(args.steps)
+    times = time_paired(runs, args.samples, args.steps)
+    print(
+        f"{title}, batch {args.batch}, plain step "
+        f"{statistics.median(times['plain']) * 1e6:.0f} us, {args.samples} paired samples"
+    )
+    print_ratio_table(times)
+
+
 def print_ratio_table(times, base="plain"):
     """Markdown table of each variant's paired ratios to `base`."""
     print(

@@ -32,12 +32,12 @@ steps; they exist only to be timed.
 
 import argparse
 import functools
-import statistics
 
 import numpy as np
 
-from _common import print_ratio_table
-from _common import time_paired
+from _common import add_step_arguments
+from _common import check_step_arguments
+from _common import report_paired
 
 SHAPES = [(784, 256), (256,), (256, 256), (256,), (256, 256), (256,), (256, 10), (10,)]
 LEARNING_RATE, BETA_1, BETA_2, EPSILON = 1e-3, 0.9, 0.999, 1e-7
@@ -170,15 +170,9 @@ def _runner(jax, jnp, step, scale):
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--variants", nargs="+", choices=VARIANTS)
-    parser.add_argument("--samples", type=int, default=201)
-    parser.add_argument("--steps", type=int, default=20, help="steps per sample")
-    parser.add_argument("--batch", type=int, default=64)
+    add_step_arguments(parser, samples=201)
     args = parser.parse_args()
-    if min(args.samples, args.steps, args.batch) < 1:
-        parser.error(
-            "--samples, --steps and --batch must be positive, got "
-            f"{args.samples}, {args.steps} and {args.batch}"
-        )
+    check_step_arguments(parser, args)
 
     import jax
     import jax.numpy as jnp
@@ -192,16 +186,7 @@ def main():
     steps = _steps(jax, jnp, x, y)
     scale = jnp.float32(1024.0)
     runs = {v: _runner(jax, jnp, steps[v], scale) for v in variants}
-    for run in runs.values():
-        run(args.steps)
-
-    times = time_paired(runs, args.samples, args.steps)
-    print(
-        f"jax {jax.__version__} ({jax.default_backend()}), batch {args.batch}, plain step "
-        f"{statistics.median(times['plain']) * 1e6:.0f} us, {args.samples} paired samples"
-    )
-    print_ratio_table(times)
-
+    report_paired(runs, args, f"jax {jax.__version__} ({jax.default_backend()})")
 
 if __name__ == "__main__":
     main()

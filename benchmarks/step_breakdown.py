@@ -41,13 +41,13 @@ apply overflowing steps); they exist only to be timed.
 
 import argparse
 import os
-import statistics
 
 import numpy as np
 
 import _checkout  # noqa: F401  (this checkout's keras_mp, not an installed one)
-from _common import print_ratio_table
-from _common import time_paired
+from _common import add_step_arguments
+from _common import check_step_arguments
+from _common import report_paired
 from _common import without_telemetry
 
 
@@ -226,18 +226,12 @@ def main():
         choices=VARIANTS,
         help="no_unscale, unscale_only, exact_check: TensorFlow only",
     )
-    parser.add_argument("--samples", type=int, default=151)
-    parser.add_argument("--steps", type=int, default=20, help="steps per sample")
-    parser.add_argument("--batch", type=int, default=64)
+    add_step_arguments(parser, samples=151)
     parser.add_argument("--policy", default="float32", choices=["float32", "mixed_float16"])
     parser.add_argument("--jit-compile", default="auto", choices=["auto", "true", "false"])
     parser.add_argument("--one-thread", action="store_true", help="TensorFlow: one inter- and intra-op thread")
     args = parser.parse_args()
-    if min(args.samples, args.steps, args.batch) < 1:
-        parser.error(
-            "--samples, --steps and --batch must be positive, got "
-            f"{args.samples}, {args.steps} and {args.batch}"
-        )
+    check_step_arguments(parser, args)
 
     import keras
 
@@ -266,16 +260,8 @@ def main():
     y = rng.integers(0, 10, size=(args.batch,))
     runner = _jax_runner if backend == "jax" else _tf_runner
     runs = {v: runner(_build(keras, keras_mp, v, jit), x, y) for v in variants}
-    for run in runs.values():
-        run(args.steps)
+    report_paired(runs, args, f"{backend} ({'XLA' if jit is True else jit}), {args.policy}")
 
-    times = time_paired(runs, args.samples, args.steps)
-
-    print(
-        f"{backend} ({'XLA' if jit is True else jit}), {args.policy}, batch {args.batch}, plain step "
-        f"{statistics.median(times['plain']) * 1e6:.0f} us, {args.samples} paired samples"
-    )
-    print_ratio_table(times)
 
 if __name__ == "__main__":
     os.environ.setdefault("KERAS_BACKEND", "jax")
