@@ -26,8 +26,9 @@ Variants:
     python benchmarks/jax_skip_forms.py
     taskset -c 0 python benchmarks/jax_skip_forms.py --variants plain plain_again cond_only
 
-The variants other than plain and the three skip forms apply overflowing
-steps; they exist only to be timed.
+Only keras_mp_form, check_unscaled_then_cond, compute_then_cond and
+compute_then_where skip an overflowing step; the other variants apply it and
+exist only to be timed.
 """
 
 import argparse
@@ -187,6 +188,7 @@ def main():
     scale = jnp.float32(1024.0)
     runs = {v: _runner(jax, jnp, steps[v], scale) for v in variants}
     report_paired(runs, args, f"jax {jax.__version__} ({jax.default_backend()})")
+
 
 if __name__ == "__main__":
     main()
