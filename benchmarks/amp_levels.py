@@ -9,7 +9,10 @@ configurations round by round, median over rounds: steps/s of
 - O2 float16 without keras_mp's BatchNorm guard (the same policies and
   optimizer, compiled plainly): the guard's cost per step,
 
-on an MLP, a small CNN with BatchNorm and a transformer block.
+on an MLP, a small CNN with BatchNorm and a transformer block (the
+default: sized for a CPU), or on the same shapes made large enough that a
+GPU's matrix units, not its kernel launches, set the pace (`--models
+mlp_large transformer_large`, for a GPU only: minutes a step on a CPU).
 
     python benchmarks/amp_levels.py --all
     KERAS_BACKEND=torch python benchmarks/amp_levels.py --models cnn_bn
@@ -28,6 +31,7 @@ from lso_overhead import _steady_state_timer
 
 BACKENDS = ("tensorflow", "jax", "torch")
 MODELS = ("mlp", "cnn_bn", "transformer")
+GPU_MODELS = ("mlp_large", "transformer_large")
 CONFIGS = (
     "O0",
     "O1 float16", "O2 float16", "O3 float16",
@@ -39,11 +43,14 @@ CONFIGS = (
 
 def _build(keras, name):
     layers = keras.layers
-    if name == "mlp":
+    if name in ("mlp", "mlp_large"):
+        # The large one's input stays narrow: a batch copied from the host
+        # must not set the pace.
+        width, features = (512, 512) if name == "mlp" else (4096, 64)
         return keras.Sequential(
-            [keras.Input((512,)), layers.Dense(512, activation="relu"),
-             layers.Dense(512, activation="relu"), layers.Dense(10, activation="softmax")]
-        ), (512,)
+            [keras.Input((features,)), layers.Dense(width, activation="relu"),
+             layers.Dense(width, activation="relu"), layers.Dense(10, activation="softmax")]
+        ), (features,)
     if name == "cnn_bn":
         return keras.Sequential(
             [keras.Input((32, 32, 3)),
@@ -52,14 +59,17 @@ def _build(keras, name):
              layers.Conv2D(64, 3, padding="same"), layers.BatchNormalization(), layers.ReLU(),
              layers.GlobalAveragePooling2D(), layers.Dense(10, activation="softmax")]
         ), (32, 32, 3)
-    inputs = keras.Input((32, 64))
-    h = layers.LayerNormalization()(inputs)
-    h = inputs + layers.MultiHeadAttention(4, 16)(h, h)
+    # One pre-norm transformer block: (tokens, features, width, heads).
+    tokens, features, width, heads = (32, 64, 64, 4) if name == "transformer" else (256, 16, 512, 8)
+    inputs = keras.Input((tokens, features))
+    x = inputs if features == width else layers.Dense(width)(inputs)
+    h = layers.LayerNormalization()(x)
+    h = x + layers.MultiHeadAttention(heads, width // heads)(h, h)
     f = layers.LayerNormalization()(h)
-    f = layers.Dense(256, activation="gelu")(f)
-    h = h + layers.Dense(64)(f)
+    f = layers.Dense(4 * width, activation="gelu")(f)
+    h = h + layers.Dense(width)(f)
     outputs = layers.Dense(10, activation="softmax")(layers.GlobalAveragePooling1D()(h))
-    return keras.Model(inputs, outputs), (32, 64)
+    return keras.Model(inputs, outputs), (tokens, features)
 
 
 def _compiled(keras, keras_mp, model_name, config):
@@ -141,7 +151,7 @@ def main():
                         help="with --all: which backends")
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--batch", type=int, default=64)
-    parser.add_argument("--models", nargs="+", default=list(MODELS), choices=MODELS)
+    parser.add_argument("--models", nargs="+", default=list(MODELS), choices=MODELS + GPU_MODELS)
     parser.add_argument("--configs", nargs="+", default=list(CONFIGS), choices=CONFIGS, metavar="CONFIG",
                         help="a subset of: " + ", ".join(repr(c) for c in CONFIGS) + " (O0 is always run)")
     args = parser.parse_args()

@@ -5,7 +5,8 @@ Pure JAX, no Keras and no keras_mp: the same MLP as `step_breakdown.py`
 update written out in `jax.numpy`, with the buffers donated as Keras's
 trainer donates them. Each variant is one way of writing the skip, timed
 paired against the plain step. The question it answers: can any form of a
-skip that leaves the weights untouched keep the plain step's time on CPU?
+skip that leaves the weights untouched keep the plain step's time (on a CPU,
+and on a GPU, where the answer differs)?
 
 Variants:
 
@@ -16,18 +17,22 @@ Variants:
 - cond_only: the update inside `lax.cond` on a predicate that reads no
   gradient: the conditional's own cost.
 - keras_mp_form: the check on the scaled gradients, then `lax.cond`, the
-  unscaling inside the taken branch (keras_mp's form).
+  unscaling inside the taken branch (keras_mp's form on a CPU).
 - check_unscaled_then_cond: unscale first, check the unscaled gradients,
   then `lax.cond`.
 - compute_then_cond: the update always computed, then `lax.cond` picks the
   new or the old values.
 - compute_then_where: the same with `jnp.where` per array (no conditional).
+- exact_check_no_cond: like check_no_cond, with the elementwise check
+  `all(isfinite(g))` instead of the sums.
+- select_form: the elementwise check on the scaled gradients, the update
+  always computed, `jnp.where` per array (keras_mp's form on a GPU or TPU).
 
     python benchmarks/jax_skip_forms.py
     taskset -c 0 python benchmarks/jax_skip_forms.py --variants plain plain_again cond_only
 
-Only keras_mp_form, check_unscaled_then_cond, compute_then_cond and
-compute_then_where skip an overflowing step; the other variants apply it and
+Only keras_mp_form, check_unscaled_then_cond, compute_then_cond,
+compute_then_where and select_form skip an overflowing step; the other variants apply it and
 exist only to be timed.
 """
 
@@ -75,6 +80,10 @@ def _steps(jax, jnp, x, y):
                 total = total + column_sums @ jnp.ones((gi.shape[1],), gi.dtype)
         return jnp.isfinite(total)
 
+    def exact_all_finite(g):
+        # keras_mp's check where it skips by selects (a GPU or TPU).
+        return jnp.all(jnp.stack([jnp.all(jnp.isfinite(gi)) for gi in g]))
+
     def adam(params, m, v, g, t):
         t = t + 1
         m = [BETA_1 * mi + (1 - BETA_1) * gi for mi, gi in zip(m, g)]
@@ -92,6 +101,12 @@ def _steps(jax, jnp, x, y):
     def check_no_cond(params, m, v, t, scale):
         g = grads(params, scale)
         finite = all_finite(g)
+        params, m, v, t = adam(params, m, v, unscale(g, scale), t)
+        return params, m, v, t + finite.astype(t.dtype) - 1
+
+    def exact_check_no_cond(params, m, v, t, scale):
+        g = grads(params, scale)
+        finite = exact_all_finite(g)
         params, m, v, t = adam(params, m, v, unscale(g, scale), t)
         return params, m, v, t + finite.astype(t.dtype) - 1
 
@@ -121,13 +136,20 @@ def _steps(jax, jnp, x, y):
     def compute_then_where(params, m, v, t, scale):
         g = unscale(grads(params, scale), scale)
         finite = all_finite(g)
-        new = adam(params, m, v, g, t)
-        old = (params, m, v, t)
+        return select(finite, adam(params, m, v, g, t), (params, m, v, t))
+
+    def select(finite, new, old):
         return tuple(
             [jnp.where(finite, a, b) for a, b in zip(n, o)] if isinstance(n, list)
             else jnp.where(finite, n, o)
             for n, o in zip(new, old)
         )
+
+    def select_form(params, m, v, t, scale):
+        g = grads(params, scale)
+        finite = exact_all_finite(g)
+        new = adam(params, m, v, unscale(g, scale), t)
+        return select(finite, new, (params, m, v, t))
 
     forms = {
         "plain": plain, "plain_again": plain, "scaled": scaled,
@@ -136,6 +158,7 @@ def _steps(jax, jnp, x, y):
         "check_unscaled_then_cond": check_unscaled_then_cond,
         "compute_then_cond": compute_then_cond,
         "compute_then_where": compute_then_where,
+        "exact_check_no_cond": exact_check_no_cond, "select_form": select_form,
     }
     jit = functools.partial(jax.jit, donate_argnums=(0, 1, 2))
     return {name: jit(form) for name, form in forms.items()}
@@ -144,6 +167,7 @@ def _steps(jax, jnp, x, y):
 VARIANTS = [
     "plain", "plain_again", "scaled", "check_no_cond", "cond_only", "keras_mp_form",
     "check_unscaled_then_cond", "compute_then_cond", "compute_then_where",
+    "exact_check_no_cond", "select_form",
 ]
 
 

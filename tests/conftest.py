@@ -16,12 +16,29 @@ os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 import keras  # noqa: E402
 import pytest  # noqa: E402
 
+if keras.backend.backend() == "jax":
+    import jax
+
+    # The same for JAX, whose float32 matmuls on a GPU default to TF32.
+    jax.config.update("jax_default_matmul_precision", "float32")
+
+from keras_mp._src import backend_ops  # noqa: E402
+
 
 @pytest.fixture(autouse=True)
 def _restore_global_dtype_policy():
     policy = keras.config.dtype_policy()
     yield
     keras.config.set_dtype_policy(policy)
+
+
+@pytest.fixture(params=["cond", "select"] if keras.backend.backend() == "jax" else [None])
+def jax_skip_form(request, monkeypatch):
+    """On JAX, runs a test with each form of the skip: `lax.cond` (a CPU's)
+    and selects (a GPU's or TPU's), whatever this machine would choose."""
+    if request.param is not None:
+        monkeypatch.setattr(backend_ops, "_JAX_SKIP_FORM", request.param)
+    return request.param
 
 
 def pytest_report_header(config):

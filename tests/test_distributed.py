@@ -19,7 +19,9 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def _run(scenario, backend):
-    env = dict(os.environ, KERAS_BACKEND=backend, PYTHONPATH=ROOT)
+    # This checkout first, and whatever path the caller set up after it.
+    path = os.pathsep.join(p for p in (ROOT, os.environ.get("PYTHONPATH")) if p)
+    env = dict(os.environ, KERAS_BACKEND=backend, PYTHONPATH=path)
     env.pop("TF_CONFIG", None)
     result = subprocess.run(
         [sys.executable, WORKER, scenario], env=env, capture_output=True, text=True, timeout=480

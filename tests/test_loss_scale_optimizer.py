@@ -159,7 +159,7 @@ def test_any_value_is_accepted_or_refused_by_name(argument, value):
 
 
 @pytest.mark.parametrize("bad", [np.inf, -np.inf, np.nan])
-def test_skipped_step_leaves_everything_bit_identical(bad):
+def test_skipped_step_leaves_everything_bit_identical(bad, jax_skip_form):
     optimizer = keras_mp.LossScaleOptimizer(keras.optimizers.Adam(0.1), initial_scale=4.0)
     variables = [keras.Variable(np.arange(4, dtype=np.float32)), keras.Variable(np.ones((2, 2), np.float32))]
     optimizer.build(variables)
@@ -177,6 +177,37 @@ def test_skipped_step_leaves_everything_bit_identical(bad):
     assert int(_numpy(optimizer.iterations)) == iterations
     assert int(_numpy(optimizer.skipped_steps)) == 1
     assert float(_numpy(optimizer.loss_scale)) == 2.0
+
+
+@pytest.mark.skipif(BACKEND != "jax", reason="JAX's two forms of the skip")
+def test_jax_skip_form_follows_the_platform(monkeypatch):
+    import jax
+
+    from keras_mp._src import backend_ops
+
+    assert backend_ops._JAX_SKIP_FORM is None
+    monkeypatch.setattr(jax, "default_backend", lambda: "cpu")
+    assert not backend_ops.jax_skips_by_select()
+    for platform in ("gpu", "tpu"):
+        monkeypatch.setattr(jax, "default_backend", lambda: platform)
+        assert backend_ops.jax_skips_by_select()
+
+
+@pytest.mark.skipif(BACKEND != "jax", reason="JAX's two forms of the skip")
+def test_jax_select_form_has_no_conditional(jax_skip_form):
+    """A GPU waits for the device at each `cond`: the select form has none."""
+    import jax
+
+    optimizer = keras_mp.LossScaleOptimizer(keras.optimizers.Adam(0.1))
+    variables = [keras.Variable(np.ones((2, 2), np.float32)), keras.Variable(np.ones(2, np.float32))]
+    optimizer.build(variables)
+    grads = [_tensor(np.ones((2, 2))), _tensor(np.ones(2))]
+    jaxpr = str(
+        jax.make_jaxpr(optimizer.stateless_apply)(
+            [v.value for v in optimizer.variables], grads, [v.value for v in variables]
+        )
+    )
+    assert ("cond[" in jaxpr) == (jax_skip_form == "cond"), jaxpr
 
 
 @pytest.mark.skipif(BACKEND != "tensorflow", reason="TensorFlow's XLA step")
@@ -458,7 +489,7 @@ def test_other_clipping_sees_unscaled_gradients(clip, expected):
     np.testing.assert_allclose(_numpy(variable), expected, rtol=1e-6)
 
 
-def test_gradient_accumulation_drops_only_the_bad_micro_batch():
+def test_gradient_accumulation_drops_only_the_bad_micro_batch(jax_skip_form):
     inner = keras.optimizers.SGD(1.0, gradient_accumulation_steps=2)
     optimizer = keras_mp.LossScaleOptimizer(inner, initial_scale=4.0, dynamic_growth_steps=100)
     variable = keras.Variable(np.zeros(2, np.float32))
@@ -632,7 +663,7 @@ def test_custom_loop_torch(api):
     x, y = _loop_data()
     model = _loop_model()
     optimizer = keras_mp.LossScaleOptimizer(keras.optimizers.SGD(0.1), initial_scale=2.0**12)
-    loss = torch.mean(torch.square(model(x) - torch.as_tensor(y)))
+    loss = torch.mean(torch.square(model(x) - keras.ops.convert_to_tensor(y)))  # on the model's device
     scaled = optimizer.scale_loss(loss) if api == "keras3" else optimizer.get_scaled_loss(loss)
     model.zero_grad()
     scaled.backward()

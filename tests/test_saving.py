@@ -242,4 +242,6 @@ def test_damaged_keras_file_raises(tmp_path, damage):
     with pytest.raises(Exception) as error:
         keras.models.load_model(path)
     message = str(error.value).lower()
-    assert any(word in message for word in ("zip", "crc", "file", "truncat")), message
+    # The archive's reader or h5py's (whose wording changes between versions,
+    # e.g. "ring type mismatch" in newer ones) says what broke.
+    assert any(word in message for word in ("zip", "crc", "file", "truncat", "h5", "mismatch", "unable to")), message

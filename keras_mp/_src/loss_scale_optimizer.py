@@ -458,8 +458,9 @@ class LossScaleOptimizer(_KerasLossScaleOptimizer):
     def stateless_apply(self, optimizer_variables, grads, trainable_variables):
         """Stateless step: returns new trainable and optimizer variable values.
 
-        Used by `model.fit` on JAX (under `jax.jit`); the decision to skip is a
-        `lax.cond` on the device.
+        Used by `model.fit` on JAX (under `jax.jit`); the decision to skip
+        stays on the device: a `lax.cond` on a CPU, selects on a GPU or TPU
+        (`backend_ops.jax_skips_by_select` says why).
         """
         if keras.backend.backend() == "tensorflow":
             raise ValueError(
@@ -511,7 +512,16 @@ class LossScaleOptimizer(_KerasLossScaleOptimizer):
 
         if not self._config.checks_finite:
             return on_finite()
-        return ops.cond(self.check_finite(grads), on_finite, on_overflow)
+        finite = self.check_finite(grads)
+        if keras.backend.backend() == "jax" and backend_ops.jax_skips_by_select():
+            # Both outcomes computed; the skipped one's values are dropped
+            # (NaN from a bad gradient included), the kept ones bit-exact.
+            outcomes = zip(on_finite(), on_overflow())
+            return tuple(
+                [ops.where(finite, new, old) for new, old in zip(*outcome)]
+                for outcome in outcomes
+            )
+        return ops.cond(finite, on_finite, on_overflow)
 
     def check_finite(self, grads):
         """Boolean scalar tensor: whether all gradients are finite."""
