@@ -18,6 +18,8 @@ import sys
 
 SCENARIO = sys.argv[1]
 if SCENARIO.startswith("jax"):
+    # Two CPU devices, on a machine with a GPU too.
+    os.environ["JAX_PLATFORMS"] = "cpu"
     os.environ["XLA_FLAGS"] = (
         os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=2"
     )
