@@ -35,7 +35,8 @@ def jax_skips_by_select():
     conditional's predicate on the host, which waits for the device once per
     `cond`, and the update is a few fused kernels: there the update is always
     computed and `jnp.where` keeps the old values of a skipped step (on an
-    H100, 1.06x the plain step of the same MLP against 1.19x with the `cond`).
+    H100, 1.04x the plain step of the same MLP against 1.17-1.19x with the
+    `cond`).
     Either way a skipped step leaves every value bit-identical.
     """
     if _JAX_SKIP_FORM is not None:
