@@ -16,6 +16,13 @@ Variants:
   the step counter: the check's own cost.
 - cond_only: the update inside `lax.cond` on a predicate that reads no
   gradient: the conditional's own cost.
+- where_early: the update always computed, each array written through
+  `jnp.where` on a predicate known before the backward pass (`scale > 0`):
+  the selects' own cost.
+- wait_only: the same on a predicate that reads one element of the last
+  gradient the backward pass computes (the first layer's): the cost of
+  holding every update back until the backward pass ends, with no check.
+- where_sums: the same on keras_mp's sums check: the wait and the check.
 - keras_mp_form: the check on the scaled gradients, then `lax.cond`, the
   unscaling inside the taken branch (keras_mp's form on a CPU).
 - check_unscaled_then_cond: unscale first, check the unscaled gradients,
@@ -32,7 +39,7 @@ Variants:
     taskset -c 0 python benchmarks/jax_skip_forms.py --variants plain plain_again cond_only
 
 Only keras_mp_form, check_unscaled_then_cond, compute_then_cond,
-compute_then_where and select_form skip an overflowing step; the other
+compute_then_where, select_form and where_sums skip an overflowing step; the other
 variants apply it and exist only to be timed.
 """
 
@@ -49,8 +56,8 @@ SHAPES = [(784, 256), (256,), (256, 256), (256,), (256, 256), (256,), (256, 10),
 LEARNING_RATE, BETA_1, BETA_2, EPSILON = 1e-3, 0.9, 0.999, 1e-7
 
 
-def _steps(jax, jnp, x, y):
-    """The variants' jitted steps: (params, m, v, t, scale) -> (params, m, v, t)."""
+def _forms(jax, jnp, x, y):
+    """The variants' steps, by name: (params, m, v, t, scale) -> (params, m, v, t)."""
 
     def loss_fn(params):
         h = x
@@ -149,7 +156,26 @@ def _steps(jax, jnp, x, y):
         new = adam(params, m, v, unscale(g, scale), t)
         return select(finite, new, (params, m, v, t))
 
-    forms = {
+    def where_on(predicate):
+        # The selects inside each array's update; the weights are computed
+        # from the selected slots, so no old slot has to outlive its update.
+        def form(params, m, v, t, scale):
+            g = grads(params, scale)
+            ok = predicate(g, scale)
+            g = unscale(g, scale)
+            m = [jnp.where(ok, BETA_1 * mi + (1 - BETA_1) * gi, mi) for mi, gi in zip(m, g)]
+            v = [jnp.where(ok, BETA_2 * vi + (1 - BETA_2) * gi * gi, vi) for vi, gi in zip(v, g)]
+            new_t = t + 1
+            rate = LEARNING_RATE * jnp.sqrt(1 - BETA_2**new_t) / (1 - BETA_1**new_t)
+            params = [
+                jnp.where(ok, p - rate * mi / (jnp.sqrt(vi) + EPSILON), p)
+                for p, mi, vi in zip(params, m, v)
+            ]
+            return params, m, v, jnp.where(ok, new_t, t)
+
+        return form
+
+    return {
         "plain": plain, "plain_again": plain, "scaled": scaled,
         "check_no_cond": check_no_cond_with(all_finite), "cond_only": cond_only,
         "keras_mp_form": keras_mp_form,
@@ -157,16 +183,10 @@ def _steps(jax, jnp, x, y):
         "compute_then_cond": compute_then_cond,
         "compute_then_where": compute_then_where,
         "exact_check_no_cond": check_no_cond_with(exact_all_finite), "select_form": select_form,
+        "where_early": where_on(lambda g, scale: scale > 0),
+        "wait_only": where_on(lambda g, scale: jnp.isfinite(g[0][0, 0])),
+        "where_sums": where_on(lambda g, scale: all_finite(g)),
     }
-    jit = functools.partial(jax.jit, donate_argnums=(0, 1, 2))
-    return {name: jit(form) for name, form in forms.items()}
-
-
-VARIANTS = [
-    "plain", "plain_again", "scaled", "check_no_cond", "cond_only", "keras_mp_form",
-    "check_unscaled_then_cond", "compute_then_cond", "compute_then_where",
-    "exact_check_no_cond", "select_form",
-]
 
 
 def _runner(jax, jnp, step, scale):
@@ -192,7 +212,7 @@ def _runner(jax, jnp, step, scale):
 
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--variants", nargs="+", choices=VARIANTS)
+    parser.add_argument("--variants", nargs="+", help="default: all (the list above)")
     add_step_arguments(parser, samples=201)
     args = parser.parse_args()
     check_step_arguments(parser, args)
@@ -200,15 +220,19 @@ def main():
     import jax
     import jax.numpy as jnp
 
-    variants = args.variants or VARIANTS
-    if "plain" not in variants:
-        variants = ["plain"] + variants
     rng = np.random.default_rng(0)
     x = jnp.asarray(rng.normal(size=(args.batch, 784)).astype("float32"))
     y = jnp.asarray(rng.integers(0, 10, size=(args.batch,)))
-    steps = _steps(jax, jnp, x, y)
+    forms = _forms(jax, jnp, x, y)
+    unknown = [v for v in args.variants or () if v not in forms]
+    if unknown:
+        parser.error(f"--variants: unknown {', '.join(unknown)}; choose from {', '.join(forms)}")
+    variants = args.variants or list(forms)
+    if "plain" not in variants:
+        variants = ["plain"] + variants
+    jit = functools.partial(jax.jit, donate_argnums=(0, 1, 2))
     scale = jnp.float32(1024.0)
-    runs = {v: _runner(jax, jnp, steps[v], scale) for v in variants}
+    runs = {v: _runner(jax, jnp, jit(forms[v]), scale) for v in variants}
     report_paired(runs, args, f"jax {jax.__version__} ({jax.default_backend()})")
 
 
