@@ -1,0 +1,130 @@
+#!/bin/bash
+# The GPU checks and benchmarks of benchmarks/RESULTS.md ("On a GPU"), in one script.
+#
+# Run from the repository root on a machine with a GPU and JAX and/or PyTorch
+# with CUDA (TensorFlow too, if its GPU build is installed):
+#
+#     bash benchmarks/gpu.sh                      # every part, in the order below
+#     bash benchmarks/gpu.sh overhead breakdown   # some parts
+#
+# Parts:
+#   sanity     the devices, and a two-epoch O2 fit per backend on the GPU
+#   tests      the whole suite per backend (pytest -n $JOBS; pytest-xdist)
+#   overhead   lso_overhead.py: keras_mp's optimizer over plain and over Keras's
+#   breakdown  step_breakdown.py (JAX): the compiled step with pieces removed,
+#              with and without the telemetry (float32 and mixed_float16)
+#   forms      jax_skip_forms.py: ways of writing the skip, in plain JAX
+#   levels     amp_levels.py on the GPU-sized models (O0-O3, Keras's policies)
+#
+# Environment:
+#   BACKENDS   the Keras backends to use (default: "jax torch", plus
+#              tensorflow when it sees a GPU)
+#   OUT        where the logs go (default: gpu-results/); each part prints
+#              its tables and its exit status
+#   WHEELS     a folder of wheels (keras and what it needs, e.g. from the
+#              README's `pip download` command) to install first under
+#              /tmp/keras-mp-site, for a machine without Keras
+#   JOBS       pytest workers for `tests` (default 6)
+set -u
+cd "$(dirname "$0")/.."
+export PYTHONUNBUFFERED=1 XLA_PYTHON_CLIENT_PREALLOCATE=false TF_CPP_MIN_LOG_LEVEL=2
+export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
+OUT=${OUT:-gpu-results}
+JOBS=${JOBS:-6}
+mkdir -p "$OUT"
+OUT=$(cd "$OUT" && pwd)
+
+if [ -n "${WHEELS:-}" ]; then
+    python3 -m pip install -q --no-index --no-deps --no-compile --upgrade \
+        --target /tmp/keras-mp-site "$WHEELS"/*.whl || exit 1
+    export PYTHONPATH="/tmp/keras-mp-site:$PYTHONPATH"
+fi
+if [ -z "${BACKENDS:-}" ]; then
+    BACKENDS=""
+    python3 -c "import jax; assert jax.default_backend() == 'gpu'" 2>/dev/null && BACKENDS="jax"
+    python3 -c "import torch; assert torch.cuda.is_available()" 2>/dev/null && BACKENDS="$BACKENDS torch"
+    python3 -c "import tensorflow as tf; assert tf.config.list_physical_devices('GPU')" 2>/dev/null \
+        && BACKENDS="$BACKENDS tensorflow"
+fi
+[ -n "$BACKENDS" ] || { echo "no backend sees a GPU (set BACKENDS to force some)"; exit 1; }
+has() { [[ " $BACKENDS " == *" $1 "* ]]; }
+
+# step SECONDS NAME COMMAND...: runs it under a time limit, logs it, prints its tables.
+step() {
+    local limit=$1 name=$2
+    shift 2
+    echo "=== $name ($(date +%T))"
+    (cd benchmarks && timeout "$limit" "$@") > "$OUT/$name.log" 2>&1
+    local rc=$?
+    grep -E "^\||^#|Error|error:" "$OUT/$name.log" | grep -v -i warn | tail -40
+    echo "=== $name rc=$rc"
+}
+
+LEVELS=(O0 "O2 float16" "O1 bfloat16" "O2 bfloat16" "O3 bfloat16" "keras mixed_float16" "keras mixed_bfloat16")
+
+sanity() {
+    command -v nvidia-smi > /dev/null && nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv
+    for b in $BACKENDS; do
+        KERAS_BACKEND=$b python3 - <<'EOF' 2>&1 | grep -v -E "^(W|I)[0-9]{4}" | tail -3
+import keras
+import numpy as np
+
+import keras_mp
+
+model = keras.Sequential([keras.Input((8,)), keras.layers.Dense(4)])
+model.compile(optimizer=keras_mp.LossScaleOptimizer(keras.optimizers.Adam()), loss="mse", amp_level="O2")
+history = model.fit(np.ones((64, 8), "float32"), np.ones((64, 4), "float32"), epochs=2, verbose=0)
+kernel = model.layers[0].kernel.value
+print(keras.backend.backend(), keras.__version__, "on", getattr(kernel, "device", "?"),
+      {k: [float(x) for x in v] for k, v in history.history.items()})
+EOF
+    done
+}
+
+tests() {
+    for b in $BACKENDS; do
+        echo "=== tests on $b ($(date +%T))"
+        KERAS_BACKEND=$b timeout 900 python3 -m pytest -n "$JOBS" -q -p no:cacheprovider tests \
+            > "$OUT/tests_$b.log" 2>&1
+        echo "rc=$?" >> "$OUT/tests_$b.log"
+        grep -E "FAILED|ERROR|^rc=| passed| failed" "$OUT/tests_$b.log" | tail -25
+    done
+}
+
+overhead() {
+    for b in $BACKENDS; do
+        step 300 "lso_$b" env KERAS_BACKEND=$b python3 lso_overhead.py --rounds 21 --steps 50
+    done
+}
+
+breakdown() {
+    has jax || return 0
+    local variants=(plain plain_again keras keras_mp no_logs no_cond cond_only)
+    step 200 sb_jax env KERAS_BACKEND=jax python3 step_breakdown.py --samples 151 --variants "${variants[@]}"
+    step 200 sb_jax_f16 env KERAS_BACKEND=jax python3 step_breakdown.py --samples 101 \
+        --policy mixed_float16 --variants plain keras keras_mp no_logs
+}
+
+forms() {
+    has jax || return 0
+    step 120 forms_b64 python3 jax_skip_forms.py --samples 201
+    step 120 forms_b512 python3 jax_skip_forms.py --samples 201 --batch 512
+}
+
+levels() {
+    for b in $BACKENDS; do
+        step 200 "levels_${b}_mlp_large" env KERAS_BACKEND=$b python3 amp_levels.py \
+            --models mlp_large --batch 2048 --rounds 5 --configs "${LEVELS[@]}"
+        step 200 "levels_${b}_transformer_large" env KERAS_BACKEND=$b python3 amp_levels.py \
+            --models transformer_large --batch 64 --rounds 5 --configs "${LEVELS[@]}"
+    done
+}
+
+PARTS=("$@")
+[ ${#PARTS[@]} -gt 0 ] || PARTS=(sanity tests overhead breakdown forms levels)
+for part in "${PARTS[@]}"; do
+    case $part in
+        sanity|tests|overhead|breakdown|forms|levels) $part ;;
+        *) echo "unknown part: $part (sanity, tests, overhead, breakdown, forms, levels)"; exit 2 ;;
+    esac
+done
