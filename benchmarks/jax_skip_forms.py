@@ -18,7 +18,7 @@ Variants:
   gradient: the conditional's own cost.
 - where_early: the update always computed, each array written through
   `jnp.where` on a predicate known before the backward pass (`scale > 0`):
-  the selects' own cost.
+  the cost of the selects and the scaling.
 - wait_only: the same on a predicate that reads one element of the last
   gradient the backward pass computes (the first layer's): the cost of
   holding every update back until the backward pass ends, with no check.
@@ -91,13 +91,21 @@ def _forms(jax, jnp, x, y):
         # keras_mp's check where it skips by selects (a GPU or TPU).
         return jnp.all(jnp.stack([jnp.all(jnp.isfinite(gi)) for gi in g]))
 
-    def adam(params, m, v, g, t):
-        t = t + 1
-        m = [BETA_1 * mi + (1 - BETA_1) * gi for mi, gi in zip(m, g)]
-        v = [BETA_2 * vi + (1 - BETA_2) * gi * gi for vi, gi in zip(v, g)]
-        rate = LEARNING_RATE * jnp.sqrt(1 - BETA_2**t) / (1 - BETA_1**t)
-        params = [p - rate * mi / (jnp.sqrt(vi) + EPSILON) for p, mi, vi in zip(params, m, v)]
-        return params, m, v, t
+    def adam(params, m, v, g, t, keep_new=None):
+        # With `keep_new`, every new value is written through `jnp.where`,
+        # inside its own update; the weights are computed from the selected
+        # slots, so no old slot has to outlive its update.
+        def pick(new, old):
+            return new if keep_new is None else jnp.where(keep_new, new, old)
+
+        new_t = t + 1
+        m = [pick(BETA_1 * mi + (1 - BETA_1) * gi, mi) for mi, gi in zip(m, g)]
+        v = [pick(BETA_2 * vi + (1 - BETA_2) * gi * gi, vi) for vi, gi in zip(v, g)]
+        rate = LEARNING_RATE * jnp.sqrt(1 - BETA_2**new_t) / (1 - BETA_1**new_t)
+        params = [
+            pick(p - rate * mi / (jnp.sqrt(vi) + EPSILON), p) for p, mi, vi in zip(params, m, v)
+        ]
+        return params, m, v, pick(new_t, t)
 
     def plain(params, m, v, t, scale):
         return adam(params, m, v, jax.grad(loss_fn)(params), t)
@@ -157,21 +165,9 @@ def _forms(jax, jnp, x, y):
         return select(finite, new, (params, m, v, t))
 
     def where_on(predicate):
-        # The selects inside each array's update; the weights are computed
-        # from the selected slots, so no old slot has to outlive its update.
         def form(params, m, v, t, scale):
             g = grads(params, scale)
-            ok = predicate(g, scale)
-            g = unscale(g, scale)
-            m = [jnp.where(ok, BETA_1 * mi + (1 - BETA_1) * gi, mi) for mi, gi in zip(m, g)]
-            v = [jnp.where(ok, BETA_2 * vi + (1 - BETA_2) * gi * gi, vi) for vi, gi in zip(v, g)]
-            new_t = t + 1
-            rate = LEARNING_RATE * jnp.sqrt(1 - BETA_2**new_t) / (1 - BETA_1**new_t)
-            params = [
-                jnp.where(ok, p - rate * mi / (jnp.sqrt(vi) + EPSILON), p)
-                for p, mi, vi in zip(params, m, v)
-            ]
-            return params, m, v, jnp.where(ok, new_t, t)
+            return adam(params, m, v, unscale(g, scale), t, keep_new=predicate(g, scale))
 
         return form
 
