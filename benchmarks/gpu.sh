@@ -99,10 +99,10 @@ overhead() {
 
 breakdown() {
     has jax || return 0
-    local variants=(plain plain_again keras keras_mp no_logs no_cond cond_only)
+    local variants=(plain plain_again keras keras_mp no_logs one_log no_cond cond_only)
     step 200 sb_jax env KERAS_BACKEND=jax python3 step_breakdown.py --samples 151 --variants "${variants[@]}"
     step 200 sb_jax_f16 env KERAS_BACKEND=jax python3 step_breakdown.py --samples 101 \
-        --policy mixed_float16 --variants plain keras keras_mp no_logs
+        --policy mixed_float16 --variants plain keras keras_mp no_logs one_log
 }
 
 forms() {

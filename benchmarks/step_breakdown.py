@@ -12,6 +12,8 @@ Variants (keras_mp's own step with one piece removed at a time):
   LossScaleOptimizer; keras_mp: keras_mp's.
 - no_logs: keras_mp's step without its telemetry (`loss_scale` and
   `skipped_steps` in `fit`'s logs).
+- one_log: keras_mp's step with `loss_scale` alone in the logs: whether the
+  telemetry's cost is paid per value returned (the step's outputs).
 - plain_again: a second, identical plain model: the control. Its ratio is
   what this machine's noise and the order of the samples alone produce.
 - no_cond: keras_mp's check is computed (it feeds the state update only) and
@@ -52,7 +54,7 @@ from _common import without_telemetry
 
 
 VARIANTS = [
-    "plain", "plain_again", "keras", "keras_mp", "no_logs", "no_cond", "cond_only",
+    "plain", "plain_again", "keras", "keras_mp", "no_logs", "one_log", "no_cond", "cond_only",
     "no_unscale", "unscale_only", "exact_check",
 ]
 TF_ONLY = ("no_unscale", "unscale_only", "exact_check")
@@ -162,7 +164,7 @@ def _build(keras, keras_mp, variant, jit_compile):
         optimizer = keras.optimizers.LossScaleOptimizer(inner)
     else:
         optimizer = _optimizer_class(keras, keras_mp, ops)(inner)
-        optimizer.variant = "keras_mp" if variant == "no_logs" else variant
+        optimizer.variant = "keras_mp" if variant in ("no_logs", "one_log") else variant
     model.compile(
         optimizer=optimizer,
         loss="sparse_categorical_crossentropy",
@@ -171,7 +173,23 @@ def _build(keras, keras_mp, variant, jit_compile):
     )
     if variant == "no_logs":
         without_telemetry(model)
+    if variant == "one_log":
+        _without_skipped_steps(model)
     return model
+
+
+def _without_skipped_steps(model):
+    """keras_mp's train step, less `skipped_steps` in its logs."""
+    train_step = model.train_step
+
+    def one_log(*args):
+        out = train_step(*args)  # logs (TensorFlow) or (logs, state) (JAX)
+        logs = out[0] if isinstance(out, tuple) else out
+        logs = {k: v for k, v in logs.items() if k != "skipped_steps"}
+        return (logs,) + out[1:] if isinstance(out, tuple) else logs
+
+    object.__setattr__(model, "train_step", one_log)  # as keras_mp installs its own
+    model.train_function = None
 
 
 def _jax_runner(model, x, y):
