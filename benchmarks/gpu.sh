@@ -9,7 +9,7 @@
 #
 # Parts:
 #   sanity     the devices, and a two-epoch O2 fit per backend on the GPU
-#   tests      the whole suite per backend (pytest -n $JOBS; pytest-xdist)
+#   tests      the whole suite per backend (pytest -n $JOBS with pytest-xdist)
 #   overhead   lso_overhead.py: keras_mp's optimizer over plain and over Keras's
 #   breakdown  step_breakdown.py (JAX): the compiled step with pieces removed,
 #              with and without the telemetry (float32 and mixed_float16)
@@ -82,9 +82,11 @@ EOF
 }
 
 tests() {
+    local workers=(-n "$JOBS")
+    python3 -c "import xdist" 2>/dev/null || workers=()  # no pytest-xdist: one process
     for b in $BACKENDS; do
         echo "=== tests on $b ($(date +%T))"
-        KERAS_BACKEND=$b timeout 900 python3 -m pytest -n "$JOBS" -q -p no:cacheprovider tests \
+        KERAS_BACKEND=$b timeout 900 python3 -m pytest "${workers[@]}" -q -p no:cacheprovider tests \
             > "$OUT/tests_$b.log" 2>&1
         echo "rc=$?" >> "$OUT/tests_$b.log"
         grep -E "FAILED|ERROR|^rc=| passed| failed" "$OUT/tests_$b.log" | tail -25
