@@ -655,6 +655,65 @@ def test_custom_loop_jax_apply():
     _check_loop_result(model, x, y)
 
 
+@pytest.mark.skipif(BACKEND != "jax", reason="eager apply on JAX")
+def test_eager_apply_on_jax_compiles_its_step_once(jax_skip_form):
+    """Eagerly, the skip's `lax.cond` would be traced and compiled at every
+    call (about 0.2 s a step on a CPU); `apply` compiles the step once, and
+    its results are those of `stateless_apply` run eagerly (to a float32
+    rounding: XLA may fuse Adam's arithmetic differently)."""
+
+    def optimizer_and_variable():
+        optimizer = keras_mp.LossScaleOptimizer(keras.optimizers.Adam(0.1), initial_scale=16.0)
+        variable = keras.Variable(np.linspace(-1.0, 1.0, 3).astype(np.float32))
+        optimizer.build([variable])
+        return optimizer, variable
+
+    optimizer, variable = optimizer_and_variable()
+    reference, reference_variable = optimizer_and_variable()
+    traced = []
+    check_finite = optimizer.check_finite
+    optimizer.check_finite = lambda grads: traced.append(1) or check_finite(grads)
+    good = _tensor(np.array([3.0, -2.0, 0.5]))
+    bad = _tensor(np.array([np.inf, 1.0, 1.0]))
+    for grad in [good, bad, good, bad, bad, good]:
+        optimizer.apply([grad], [variable])
+        new_trainable, new_optimizer = reference.stateless_apply(
+            [v.value for v in reference.variables], [grad], [reference_variable.value]
+        )
+        reference_variable.assign(new_trainable[0])
+        for reference_slot, value in zip(reference.variables, new_optimizer):
+            reference_slot.assign(value)
+    assert len(traced) == 1
+    np.testing.assert_allclose(_numpy(variable), _numpy(reference_variable), rtol=1e-6)
+    for slot, reference_slot in zip(optimizer.variables, reference.variables):
+        np.testing.assert_allclose(_numpy(slot), _numpy(reference_slot), rtol=1e-6, err_msg=slot.path)
+    assert int(_numpy(optimizer.skipped_steps)) == 3
+    assert int(_numpy(optimizer.iterations)) == 3
+    assert float(_numpy(optimizer.loss_scale)) == 2.0
+
+
+@pytest.mark.skipif(BACKEND != "jax", reason="eager check on JAX")
+def test_eager_check_finite_on_jax_traces_its_cond_once(monkeypatch):
+    """`check_finite` called eagerly: the `cond` of its exact fallback is
+    traced once per shape, not compiled again at every call (0.1 s each)."""
+    monkeypatch.setattr(backend_ops, "_JAX_SKIP_FORM", "cond")
+    traced = []
+    exact = backend_ops._exact_all_finite
+
+    def counted(grads):
+        traced.append(1)
+        return exact(grads)
+
+    monkeypatch.setattr(backend_ops, "_exact_all_finite", counted)
+    optimizer = keras_mp.LossScaleOptimizer(keras.optimizers.SGD(0.1))
+    finite = [_tensor(np.ones((4, 3))), _tensor(np.ones(3))]
+    nan = [_tensor(np.ones((4, 3))), _tensor(np.array([1.0, np.nan, 1.0]))]
+    huge = [_tensor(np.full((4, 3), 3e38)), _tensor(np.ones(3))]  # its sum overflows
+    answers = [bool(_numpy(optimizer.check_finite(g))) for g in [finite, nan, huge, finite, nan, huge]]
+    assert answers == [True, False, True] * 2
+    assert len(traced) == 1
+
+
 @pytest.mark.skipif(BACKEND != "torch", reason="loss.backward() loop")
 @pytest.mark.parametrize("api", ["keras3", "tf_keras2"])
 def test_custom_loop_torch(api):
