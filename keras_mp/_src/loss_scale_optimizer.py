@@ -166,8 +166,8 @@ class LossScaleOptimizer(_KerasLossScaleOptimizer):
         self.initial_scale = float(initial_scale)
         self.dynamic_growth_steps = int(dynamic_growth_steps)
         self._grads_unscaled_by_caller = False
-        # JAX: `apply`'s compiled step, made at its first call.
-        self._jax_jitted_stateless_apply = None
+        # JAX: `_stateless_step` compiled, made at the first eager call.
+        self._jax_compiled_step = None
 
         # The state is created here, not in `build`, so that `loss_scale`
         # exists (and `scale_loss` works) before the first step.
@@ -447,14 +447,7 @@ class LossScaleOptimizer(_KerasLossScaleOptimizer):
                 f"{len(trainable_variables)} variables; the optimizer was "
                 f"built with {len(built_variables)}."
             )
-        if self._jax_jitted_stateless_apply is None:
-            import jax
-
-            # Compiled once: run eagerly, the `lax.cond` of the skip would be
-            # traced and compiled again at every call (about 0.2 s each).
-            # Keras's own JAX `fit` compiles the same `stateless_apply`.
-            self._jax_jitted_stateless_apply = jax.jit(self.stateless_apply)
-        new_trainable, new_optimizer = self._jax_jitted_stateless_apply(
+        new_trainable, new_optimizer = self.stateless_apply(
             [v.value for v in self.variables],
             grads,
             [v.value for v in built_variables],
@@ -469,7 +462,11 @@ class LossScaleOptimizer(_KerasLossScaleOptimizer):
 
         Used by `model.fit` on JAX (under `jax.jit`); the decision to skip
         stays on the device: a `lax.cond` on a CPU, selects on a GPU or TPU
-        (`backend_ops.jax_skips_by_select` says why).
+        (`backend_ops.jax_skips_by_select` says why). Called with values
+        rather than under a trace (`apply`, `fit(run_eagerly=True)`, a custom
+        loop), the step is compiled with `jax.jit` at the first call: run op
+        by op, the `lax.cond` would be traced and compiled again at every
+        call (about 0.2 s each on a CPU).
         """
         if keras.backend.backend() == "tensorflow":
             raise ValueError(
@@ -491,6 +488,22 @@ class LossScaleOptimizer(_KerasLossScaleOptimizer):
                 f"Received list with length {len(optimizer_variables)}, but "
                 f"expected {len(self.variables)} variables."
             )
+        if keras.backend.backend() == "jax" and not _jax_traced(
+            optimizer_variables, grads, trainable_variables
+        ):
+            if self._jax_compiled_step is None:
+                import jax
+
+                # Compiled once per shape and dtype of the arguments, as
+                # `fit`'s step is.
+                self._jax_compiled_step = jax.jit(self._stateless_step)
+            return self._jax_compiled_step(
+                optimizer_variables, grads, trainable_variables
+            )
+        return self._stateless_step(optimizer_variables, grads, trainable_variables)
+
+    def _stateless_step(self, optimizer_variables, grads, trainable_variables):
+        """`stateless_apply` on checked arguments, traced or run op by op."""
         own_count = len(self._variables)
         own_values = optimizer_variables[:own_count]
         inner_values = optimizer_variables[own_count:]
@@ -604,6 +617,13 @@ class LossScaleOptimizer(_KerasLossScaleOptimizer):
             config.pop("inner_optimizer"), custom_objects=custom_objects
         )
         return cls(inner_optimizer, **config)
+
+
+def _jax_traced(*trees):
+    """Whether any array in `trees` is a JAX tracer (under `jax.jit`, `grad`...)."""
+    import jax
+
+    return any(isinstance(x, jax.core.Tracer) for x in jax.tree_util.tree_leaves(trees))
 
 
 def _all_replicas_agree(finite):
