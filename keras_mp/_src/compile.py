@@ -24,6 +24,7 @@ AMP_ARGUMENTS = ("amp_level", "amp_dtype", "loss_scale", "keep_batchnorm_fp32")
 _DEFAULT = "default"
 
 _keras_compile = Trainer.compile
+_keras_compile_from_config = Trainer.compile_from_config
 _keras_compile_signature = inspect.signature(_keras_compile)
 
 
@@ -221,11 +222,36 @@ def _check_distribution(model):
         )
 
 
+@functools.wraps(_keras_compile_from_config)
+def _compile_from_config_with_amp(self, config):
+    """`load_model`'s recompile; the precision comes back whatever `compile` is.
+
+    Keras does not call a `compile` that a model class overrides (KerasHub's
+    task models do) when it loads the model, so their amp settings would be
+    dropped with it and the model would come back computing in whatever its
+    layers' configs say. The saved level is applied here first: the policies,
+    the boundary casts and O3's half variables are restored before the
+    weights are loaded. A model whose `compile` is Keras's is then compiled
+    with its amp settings, as before.
+    """
+    amp = {k: config.get(k) for k in AMP_ARGUMENTS} if isinstance(config, dict) else {}
+    if amp.get("amp_level") is not None:
+        apply_amp(
+            self,
+            amp["amp_level"],
+            amp["amp_dtype"] or "float16",
+            keep_batchnorm_fp32=amp["keep_batchnorm_fp32"],
+        )
+    return _keras_compile_from_config(self, config)
+
+
 def install():
     """Adds the amp keywords to `keras.Model.compile` (idempotent)."""
     if Trainer.compile is not _compile_with_amp:
         # On Trainer itself, so Keras still sees `compile` as not overridden
         # and `load_model` recompiles saved models (with their amp settings).
         Trainer.compile = _compile_with_amp
+    if Trainer.compile_from_config is not _compile_from_config_with_amp:
+        Trainer.compile_from_config = _compile_from_config_with_amp
 
 

@@ -5,8 +5,11 @@ rule that set it is kept beside it (for `precision_summary`).
 """
 
 import functools
+import warnings
 
 import keras
+from keras.src.backend import get_keras_mask
+from keras.src.backend import set_keras_mask
 from keras.src.models.functional import Functional
 
 from keras_mp._src.levels import check_half_dtype
@@ -62,9 +65,26 @@ DENY_LIST = tuple(
     if hasattr(L, name)
 )
 
+# Keras's attention layers call `ops.dot_product_attention`, which on JAX
+# asks for float16 x float16 -> float32 logits: XLA's CPU backend has no
+# such dot_general ("F16_F16_F32"). On JAX's CPU they compute in float32 at
+# float16 levels; their projections (EinsumDense sublayers) stay half.
+_FUSED_ATTENTION = tuple(
+    getattr(L, name)
+    for name in ("MultiHeadAttention", "GroupedQueryAttention")
+    if hasattr(L, name)
+)
+
+# Packages whose composite layers are written for Keras's mixed policies (they
+# run under them in production): at O2 they compute in half. A layer defined
+# anywhere else that contains other layers computes its own arithmetic in
+# float32 at O2 in float16 (see `_runs_unknown_arithmetic`).
+_MIXED_PRECISION_AWARE_PACKAGES = ("keras", "keras_hub", "keras_nlp", "keras_cv", "keras_rs")
+
 _RULE_ATTRIBUTE = "_keras_mp_rule"
-_CASTS_OUTPUTS_ATTRIBUTE = "_keras_mp_float32_outputs"
+_CASTS_ATTRIBUTE = "_keras_mp_boundary_casts"
 _ENTRY_DTYPE_ATTRIBUTE = "_keras_mp_entry_dtype"
+_OUTPUT_DTYPE_ATTRIBUTE = "_keras_mp_output_dtype"
 
 
 def _matches(layer, entries):
@@ -75,6 +95,22 @@ def _matches(layer, entries):
         elif isinstance(layer, entry):
             return True
     return False
+
+
+def _is_normalization(layer):
+    """A normalisation layer: Keras's, or a class named `...Norm(alization)`.
+
+    KerasHub's models bring their own (Gemma's `RMSNormalization`, T5's
+    `T5LayerNorm`, ...), which are not Keras's classes; the name is the
+    convention they all follow.
+    """
+    return any(
+        cls.__name__.endswith(("Norm", "Normalization")) for cls in type(layer).__mro__
+    )
+
+
+def _denied(layer, deny):
+    return _matches(layer, deny) or _is_normalization(layer)
 
 
 def _check_layer_list(value, argument):
@@ -120,7 +156,7 @@ def _output_layers(model):
     Known for Sequential and functional models (recursively, when an output
     comes from a nested model). A subclassed model's outputs are whatever its
     `call` returns: the subclassed model itself is listed, and its outputs
-    are cast to float32 (`_cast_outputs_to_float32`).
+    are cast to float32 (`_set_boundary_casts`).
     """
     if _is_subclassed(model):
         return (model,)
@@ -145,35 +181,48 @@ def _output_layers(model):
     return tuple(layers)
 
 
-def _cast_outputs_to_float32(model, entry_dtype):
-    """Makes a subclassed model's `call` take `entry_dtype` and return float32.
+def _set_boundary_casts(layer, entry_dtype=None, output_dtype=None):
+    """Makes `layer` take `entry_dtype` inside its `call` and return `output_dtype`.
 
-    Sequential and functional models get float32 outputs from float32 output
-    layers; a subclassed model's `call` may end anywhere, so its floating
-    outputs are cast on the way out. Its own policy is float32, so its
-    inputs arrive in float32 (and `model.export` gets a float32 serving
-    signature); inside `call` they are cast to the level's `entry_dtype`, as
-    a mixed policy on the model would, so that raw ops in `call` (a residual
-    `x + attention(x)`) see the same dtype as the layers' outputs.
-    Idempotent; `entry_dtype` follows the latest level applied.
+    - `entry_dtype` (subclassed models only): the model's own policy is
+      float32, so its inputs arrive in float32 (and `model.export` gets a
+      float32 serving signature); inside `call` they are cast to the
+      level's dtype, as a mixed policy on the model would, so that raw ops
+      in `call` (a residual `x + attention(x)`) see the same dtype as the
+      layers' outputs.
+    - `output_dtype`: the layer's floating outputs are cast to it on the way
+      out (Keras masks kept). Set for a model's float32 outputs, and for a
+      sublayer whose compute dtype differs from the layer that calls it
+      (`apply_amp`'s boundary rule), so that the caller's own arithmetic
+      on its sublayers' outputs sees one dtype.
+
+    `None` turns a cast off. Idempotent: the wrapper is installed once and
+    reads the latest dtypes at each call.
     """
-    object.__setattr__(model, _ENTRY_DTYPE_ATTRIBUTE, entry_dtype)
-    if getattr(model, _CASTS_OUTPUTS_ATTRIBUTE, False):
+    installed = getattr(layer, _CASTS_ATTRIBUTE, False)
+    if not installed and entry_dtype is None and output_dtype is None:
         return
-    call = model.call
+    object.__setattr__(layer, _ENTRY_DTYPE_ATTRIBUTE, entry_dtype)
+    object.__setattr__(layer, _OUTPUT_DTYPE_ATTRIBUTE, output_dtype)
+    if installed:
+        return
+    call = layer.call
 
     @functools.wraps(call)
-    def call_with_float32_outputs(*args, **kwargs):
-        dtype = getattr(model, _ENTRY_DTYPE_ATTRIBUTE)
-        if dtype != "float32":
+    def call_with_boundary_casts(*args, **kwargs):
+        entry = getattr(layer, _ENTRY_DTYPE_ATTRIBUTE)
+        if entry not in (None, "float32"):
             args, kwargs = keras.tree.map_structure(
-                lambda x: _cast_float(x, dtype), (args, kwargs)
+                lambda x: _cast_float(x, entry), (args, kwargs)
             )
         outputs = call(*args, **kwargs)
-        return keras.tree.map_structure(_to_float32, outputs)
+        target = getattr(layer, _OUTPUT_DTYPE_ATTRIBUTE)
+        if target is None:
+            return outputs
+        return keras.tree.map_structure(lambda x: _cast_half_or_float32(x, target), outputs)
 
-    object.__setattr__(model, "call", call_with_float32_outputs)
-    object.__setattr__(model, _CASTS_OUTPUTS_ATTRIBUTE, True)
+    object.__setattr__(layer, "call", call_with_boundary_casts)
+    object.__setattr__(layer, _CASTS_ATTRIBUTE, True)
 
 
 def _cast_float(x, dtype):
@@ -185,39 +234,138 @@ def _cast_float(x, dtype):
     return keras.ops.cast(x, dtype)
 
 
-def _to_float32(x):
-    dtype = getattr(x, "dtype", None)
-    if dtype is None:
+_COMPUTE_FLOATS = ("float16", "bfloat16", "float32")
+
+
+def _cast_half_or_float32(x, dtype):
+    """Casts a float16/bfloat16/float32 tensor to `dtype`, keeping its Keras mask.
+
+    Anything else (integers, booleans, float64, None) passes unchanged.
+    """
+    current = getattr(x, "dtype", None)
+    if current is None or not (keras.ops.is_tensor(x) or isinstance(x, keras.KerasTensor)):
         return x
-    dtype = keras.backend.standardize_dtype(dtype)
-    if dtype in ("float16", "bfloat16"):
-        return keras.ops.cast(x, "float32")
-    return x
+    current = keras.backend.standardize_dtype(current)
+    if current == dtype or current not in _COMPUTE_FLOATS:
+        return x
+    mask = get_keras_mask(x) if keras.ops.is_tensor(x) else None
+    y = keras.ops.cast(x, dtype)
+    if mask is not None:
+        set_keras_mask(y, mask)
+    return y
 
 
 def _is_batchnorm(layer):
     return isinstance(layer, L.BatchNormalization)
 
 
-def _decide(layer, level, half, keep_batchnorm_fp32, allow, deny, outputs):
-    """(policy name, rule) for one layer at a level."""
+def _decide(layer, level, half, keep_batchnorm_fp32, allow, deny, outputs, inside_allowed):
+    """(policy name, rule) for one layer at a level.
+
+    `inside_allowed`: the layer sits inside an allow-listed layer (O1), whose
+    sublayers compute with it, but for the deny-list.
+    """
     mixed = f"mixed_{half}"
     if any(layer is o for o in outputs):
         return "float32", "model output: float32"
+    if isinstance(layer, L.Normalization):
+        # Fixed statistics (`adapt`ed, not trained), converted to the compute
+        # dtype when built: in half they would change on every reload.
+        return "float32", "input statistics: float32 at every level"
     if level.half_compute == "none":
         return "float32", f"{level.name}: float32"
+    if half == "float16" and _jax_cpu() and isinstance(layer, _FUSED_ATTENTION):
+        _warn_jax_cpu_attention_once()
+        return "float32", f"{level.name}: attention on JAX's CPU, float32 (no float16 dot there)"
+    if (
+        half == "float16"
+        and level.half_compute == "deny"
+        and _runs_unknown_arithmetic(layer)
+        and not _matches(layer, allow[len(ALLOW_LIST):])
+    ):
+        return "float32", f"{level.name}: own arithmetic in float32 (your layer; allow= for half)"
     if level.half_compute == "allow":
         if _matches(layer, allow):
             return mixed, f"{level.name} allow-list"
+        if inside_allowed and not _denied(layer, deny):
+            return mixed, f"{level.name}: inside an allow-listed layer"
+        if inside_allowed:
+            return "float32", f"{level.name} deny-list"
         return "float32", f"{level.name}: not on the allow-list"
     if level.half_compute == "deny":
-        if _matches(layer, deny):
+        if _denied(layer, deny):
             return "float32", f"{level.name} deny-list"
         return mixed, f"{level.name}: half compute, float32 variables"
     # "all"
     if _is_batchnorm(layer) and keep_batchnorm_fp32:
         return "float32", f"{level.name}: keep_batchnorm_fp32=True"
     return half, f"{level.name}: half everywhere"
+
+
+def _runs_unknown_arithmetic(layer):
+    """Whether `layer`'s own `call` is code keras_mp knows nothing of.
+
+    True for a layer with sublayers whose class is defined outside Keras and
+    KerasHub (a user's attention block or subclassed model). Its own
+    arithmetic may hold constants outside float16's range: the tutorial's
+    attention mask `logits += mask * -1e9` is `0 * -inf = nan` in float16.
+    """
+    if _is_graph(layer):
+        return False
+    package = type(layer).__module__.split(".", 1)[0]
+    if package in _MIXED_PRECISION_AWARE_PACKAGES:
+        return False
+    return any(True for _ in layer._flatten_layers(include_self=False, recursive=False))
+
+
+def _jax_cpu():
+    if keras.backend.backend() != "jax":
+        return False
+    import jax
+
+    return jax.default_backend() == "cpu"
+
+
+_warned_jax_cpu_attention = False
+
+
+def _warn_jax_cpu_attention_once():
+    global _warned_jax_cpu_attention
+    if _warned_jax_cpu_attention:
+        return
+    _warned_jax_cpu_attention = True
+    warnings.warn(
+        "keras_mp: JAX's CPU backend has no float16 x float16 -> float32 "
+        "matmul, which Keras's dot_product_attention needs; attention layers "
+        "(MultiHeadAttention, GroupedQueryAttention) compute in float32 here, "
+        "their projections in float16. On a GPU they compute in float16.",
+        stacklevel=3,
+    )
+
+
+def _tree(model):
+    """(layer, parent) for `model` and every layer inside it, parents first.
+
+    The parent is the layer that tracks it (whose `call` calls it); a layer
+    tracked by several is listed once, under the first.
+    """
+    seen = set()
+    order = []
+    stack = [(model, None)]
+    while stack:
+        layer, parent = stack.pop()
+        if id(layer) in seen:
+            continue
+        seen.add(id(layer))
+        order.append((layer, parent))
+        children = layer._flatten_layers(include_self=False, recursive=False)
+        stack.extend((child, layer) for child in reversed(list(children)))
+    return order
+
+
+def _is_graph(layer):
+    """Sequential and functional models: Keras casts each layer's inputs."""
+    return isinstance(layer, (keras.Sequential, Functional))
 
 
 def apply_amp(
@@ -281,12 +429,29 @@ def apply_amp(
             "`keep_batchnorm_fp32` must be True, False or None. "
             f"Received: keep_batchnorm_fp32={keep_batchnorm_fp32!r}"
         )
-    allow = ALLOW_LIST + _check_layer_list(allow, "allow")
+    user_allow = _check_layer_list(allow, "allow")
+    allow = ALLOW_LIST + user_allow
     deny = DENY_LIST + _check_layer_list(deny, "deny")
     outputs = _output_layers(model)
+    entry_dtype = {"all": half, "deny": half}.get(level_spec.half_compute, "float32")
+    if (
+        half == "float16"
+        and level_spec.half_compute == "deny"
+        and _runs_unknown_arithmetic(model)
+        and not _matches(model, user_allow)
+    ):
+        entry_dtype = "float32"  # a subclassed model's own `call`, as above
     decisions = []
-    for layer in _layers(model):
-        if _is_subclassed(layer) and (layer is model or any(layer is o for o in outputs)):
+    inside_allowed = set()  # ids of layers inside an allow-listed one (O1)
+    for layer, parent in _tree(model):
+        if parent is not None and (
+            id(parent) in inside_allowed
+            or (not _is_container(parent) and _matches(parent, allow))
+        ):
+            inside_allowed.add(id(layer))
+        if layer.dtype_policy.quantization_mode is not None:
+            policy, rule = None, f"quantized ({layer.dtype_policy.name}): kept"
+        elif _is_subclassed(layer) and (layer is model or any(layer is o for o in outputs)):
             # Its `call` is the model's forward pass: inputs arrive and
             # outputs leave in float32; the layers inside follow the level.
             policy, rule = "float32", f"{level_spec.name}: model, float32 inputs and outputs"
@@ -302,15 +467,64 @@ def apply_amp(
             rule = f"{level_spec.name}: container"
         else:
             policy, rule = _decide(
-                layer, level_spec, half, keep_batchnorm_fp32, allow, deny, outputs
+                layer,
+                level_spec,
+                half,
+                keep_batchnorm_fp32,
+                allow,
+                deny,
+                outputs,
+                id(layer) in inside_allowed,
             )
         decisions.append((layer, (policy, rule)))
     _set_policies(model, decisions)
-    entry_dtype = {"all": half, "deny": half}.get(level_spec.half_compute, "float32")
-    for layer in outputs:
-        if _is_subclassed(layer):
-            _cast_outputs_to_float32(layer, entry_dtype)
+    _set_boundaries(model, outputs, entry_dtype)
     return model
+
+
+def _set_boundaries(model, outputs=None, entry_dtype=None):
+    """The boundary rule: what a layer returns to the layer that calls it.
+
+    `outputs` None (`to_float` on a layer): only the layers inside `model`
+    are set; `model`'s own casts are left as they are.
+
+    - A subclassed model that is the model (or one of its outputs) takes
+      float32 inputs, computes inside in the level's `entry_dtype`, and
+      returns float32.
+    - Inside a layer that runs its own `call` (a composite layer such as
+      `TransformerEncoder`, or a subclassed model), a sublayer whose compute
+      dtype differs from its caller's returns its floating outputs in the
+      caller's dtype: a float32 LayerNormalization inside a float16 block
+      (O2) returns float16, a float16 Dense inside a float32 block (O1)
+      returns float32. The caller's own arithmetic (`x + residual`) then
+      sees one dtype, as it does under one Keras mixed policy.
+    - Inside Sequential and functional models nothing is cast on the way
+      out: Keras casts each layer's inputs to its own compute dtype.
+    """
+    inner_dtypes = {}
+    for layer, parent in _tree(model):
+        if outputs is None and layer is model:
+            inner_dtypes[id(layer)] = None if _is_graph(layer) else layer.compute_dtype
+            continue
+        if _is_subclassed(layer) and (
+            layer is model or any(layer is o for o in outputs or ())
+        ):
+            inner_dtypes[id(layer)] = entry_dtype
+            _set_boundary_casts(layer, entry_dtype, "float32")
+            continue
+        inner_dtypes[id(layer)] = None if _is_graph(layer) else layer.compute_dtype
+        caller_dtype = None if parent is None else inner_dtypes[id(parent)]
+        if caller_dtype is not None and (
+            layer.compute_dtype != caller_dtype or _is_container(layer)
+        ):
+            _set_boundary_casts(layer, output_dtype=caller_dtype)
+            rule = getattr(layer, _RULE_ATTRIBUTE, None)
+            if rule is not None and layer.compute_dtype != caller_dtype:
+                object.__setattr__(
+                    layer, _RULE_ATTRIBUTE, f"{rule}; returns {caller_dtype} to {parent.name}"
+                )
+        else:
+            _set_boundary_casts(layer)
 
 
 def to_float(layer_or_model, dtype):
@@ -340,6 +554,9 @@ def to_float(layer_or_model, dtype):
     _set_policies(
         layer_or_model, [(layer, (policy, rule)) for layer in _layers(layer_or_model)]
     )
+    # One dtype inside: no sublayer casts its outputs any more. What the
+    # layer itself returns to its caller is left as it was.
+    _set_boundaries(layer_or_model)
     return layer_or_model
 
 
@@ -401,10 +618,15 @@ def _is_container(layer):
 
 
 def _set_policy(layer, policy_name, rule):
-    """Sets the policy; returns whether a built layer's variables changed."""
+    """Sets the policy; returns whether a built layer's variables changed.
+
+    `policy_name` None keeps the layer's policy (a quantized one).
+    """
+    object.__setattr__(layer, _RULE_ATTRIBUTE, rule)
+    if policy_name is None:
+        return False
     policy = keras.dtype_policies.get(policy_name)
     layer.dtype_policy = policy
-    object.__setattr__(layer, _RULE_ATTRIBUTE, rule)
     return layer.built and _convert_own_variables(layer, policy.variable_dtype)
 
 

@@ -1,0 +1,202 @@
+"""Tiny configurations of the model families Keras users train.
+
+Random weights, random data, no downloads: each builder returns
+`(model, x, y, loss)` for a model small enough to build and train a few
+steps in seconds on a CPU, with the same layer classes and the same code
+paths (masks, residuals, gates, BatchNorm, preprocessing layers) as the
+full-size model.
+"""
+
+import keras
+import keras_hub
+import numpy as np
+
+VOCAB = 100
+SEQ = 12
+BATCH = 8
+
+
+def _rng():
+    return np.random.default_rng(0)
+
+
+def _tokens(rng):
+    ids = rng.integers(1, VOCAB, size=(BATCH, SEQ)).astype("int32")
+    padding = np.ones((BATCH, SEQ), "int32")
+    padding[:, -3:] = 0  # padded tail, masked in attention
+    ids[padding == 0] = 0
+    return ids, padding
+
+
+def bert():
+    rng = _rng()
+    backbone = keras_hub.models.BertBackbone(
+        vocabulary_size=VOCAB, num_layers=2, num_heads=2, hidden_dim=16,
+        intermediate_dim=32, max_sequence_length=16,
+    )
+    model = keras_hub.models.BertTextClassifier(backbone, num_classes=3, preprocessor=None)
+    ids, padding = _tokens(rng)
+    x = {"token_ids": ids, "padding_mask": padding, "segment_ids": np.zeros_like(ids)}
+    return model, x, rng.integers(0, 3, BATCH), "sparse_categorical_crossentropy"
+
+
+def gpt2():
+    rng = _rng()
+    backbone = keras_hub.models.GPT2Backbone(
+        vocabulary_size=VOCAB, num_layers=2, num_heads=2, hidden_dim=16,
+        intermediate_dim=32, max_sequence_length=16,
+    )
+    model = keras_hub.models.GPT2CausalLM(backbone, preprocessor=None)
+    ids, padding = _tokens(rng)
+    x = {"token_ids": ids, "padding_mask": padding}
+    return model, x, rng.integers(0, VOCAB, (BATCH, SEQ)), "sparse_categorical_crossentropy"
+
+
+def gemma():
+    rng = _rng()
+    backbone = keras_hub.models.GemmaBackbone(
+        vocabulary_size=VOCAB, num_layers=2, num_query_heads=2,
+        num_key_value_heads=1, hidden_dim=16, intermediate_dim=32, head_dim=8,
+    )
+    model = keras_hub.models.GemmaCausalLM(backbone, preprocessor=None)
+    ids, padding = _tokens(rng)
+    x = {"token_ids": ids, "padding_mask": padding}
+    return model, x, rng.integers(0, VOCAB, (BATCH, SEQ)), "sparse_categorical_crossentropy"
+
+
+def resnet():
+    """KerasHub's ResNet image classifier (BatchNorm, residual adds)."""
+    rng = _rng()
+    backbone = keras_hub.models.ResNetBackbone(
+        input_conv_filters=[64], input_conv_kernel_sizes=[3],
+        stackwise_num_filters=[64, 16], stackwise_num_blocks=[1, 1],
+        stackwise_num_strides=[1, 2], block_type="basic_block",
+        use_pre_activation=False, image_shape=(32, 32, 3),
+    )
+    model = keras_hub.models.ResNetImageClassifier(backbone, num_classes=3, preprocessor=None)
+    x = rng.normal(size=(BATCH, 32, 32, 3)).astype("float32")
+    return model, x, rng.integers(0, 3, BATCH), "sparse_categorical_crossentropy"
+
+
+def transformer_encoder():
+    """KerasHub's encoder block without dropout: Keras's fused attention path."""
+    rng = _rng()
+    inputs = keras.Input((SEQ,), dtype="int32")
+    x = keras_hub.layers.TokenAndPositionEmbedding(VOCAB, SEQ, 16, mask_zero=True)(inputs)
+    x = keras_hub.layers.TransformerEncoder(32, 2)(x)
+    x = keras.layers.GlobalAveragePooling1D()(x)
+    outputs = keras.layers.Dense(3, activation="softmax")(x)
+    ids, _ = _tokens(rng)
+    return keras.Model(inputs, outputs), ids, rng.integers(0, 3, BATCH), "sparse_categorical_crossentropy"
+
+
+def _application(constructor, **kwargs):
+    rng = _rng()
+    model = constructor(weights=None, input_shape=(32, 32, 3), classes=3, **kwargs)
+    x = rng.uniform(0, 255, size=(BATCH, 32, 32, 3)).astype("float32")
+    return model, x, rng.integers(0, 3, BATCH), "sparse_categorical_crossentropy"
+
+
+def mobilenet_v2():
+    return _application(keras.applications.MobileNetV2, alpha=0.35)
+
+
+def efficientnet_b0():
+    """Normalization and Rescaling preprocessing, squeeze-excite gates."""
+    return _application(keras.applications.EfficientNetB0)
+
+
+def convnext_tiny():
+    """LayerNorm, layer scale, a Normalization preprocessing layer."""
+    return _application(keras.applications.ConvNeXtTiny)
+
+
+def lstm_masked():
+    """An LSTM and a GRU over `Embedding(mask_zero=True)`: the mask flows."""
+    rng = _rng()
+    inputs = keras.Input((SEQ,), dtype="int32")
+    x = keras.layers.Embedding(VOCAB, 16, mask_zero=True)(inputs)
+    x = keras.layers.LSTM(16, return_sequences=True)(x)
+    x = keras.layers.GRU(16)(x)
+    outputs = keras.layers.Dense(3, activation="softmax")(x)
+    ids, _ = _tokens(rng)
+    return keras.Model(inputs, outputs), ids, rng.integers(0, 3, BATCH), "sparse_categorical_crossentropy"
+
+
+@keras.saving.register_keras_serializable(package="keras_mp_zoo")
+class TutorialAttention(keras.layers.Layer):
+    """A user's attention block, masked as in TensorFlow's transformer tutorial.
+
+    `logits += mask * -1e9`: in float16 `-1e9` is `-inf`, and `0 * -inf` is
+    NaN (TensorFlow, JAX); a row with every key masked is all `-inf`, whose
+    softmax is NaN (every backend). So this block gives NaN wherever its own
+    arithmetic runs in float16.
+    """
+
+    def __init__(self, dim, **kwargs):
+        super().__init__(**kwargs)
+        self.dim = dim
+        self.query = keras.layers.Dense(dim)
+        self.key = keras.layers.Dense(dim)
+        self.value = keras.layers.Dense(dim)
+        self.norm = keras.layers.LayerNormalization()
+
+    def call(self, x, padded):
+        q, k, v = self.query(x), self.key(x), self.value(x)
+        logits = keras.ops.matmul(q, keras.ops.transpose(k, (0, 2, 1))) / self.dim**0.5
+        logits += keras.ops.cast(padded[:, None, :], logits.dtype) * -1e9
+        weights = keras.ops.softmax(logits, axis=-1)
+        return self.norm(x + keras.ops.matmul(weights, v))
+
+    def get_config(self):
+        return {**super().get_config(), "dim": self.dim}
+
+
+def tutorial_attention():
+    rng = _rng()
+    tokens = keras.Input((SEQ,), dtype="int32", name="tokens")
+    padded = keras.Input((SEQ,), name="padded")
+    x = keras.layers.Embedding(VOCAB, 16)(tokens)
+    x = TutorialAttention(16)(x, padded)
+    x = keras.layers.GlobalAveragePooling1D()(x)
+    outputs = keras.layers.Dense(3, activation="softmax")(x)
+    ids, padding = _tokens(rng)
+    padding[0] = 0  # an empty sequence: every logit of its rows is masked
+    x = {"tokens": ids, "padded": (1 - padding).astype("float32")}
+    model = keras.Model({"tokens": tokens, "padded": padded}, outputs)
+    return model, x, rng.integers(0, 3, BATCH), "sparse_categorical_crossentropy"
+
+
+def two_outputs():
+    """A functional model with two heads, `loss_weights` and `sample_weight`."""
+    rng = _rng()
+    inputs = keras.Input((10,))
+    h = keras.layers.Dense(32, activation="relu")(inputs)
+    h = keras.layers.BatchNormalization()(h)
+    label = keras.layers.Dense(3, activation="softmax", name="label")(h)
+    value = keras.layers.Dense(1, name="value")(h)
+    model = keras.Model(inputs, {"label": label, "value": value})
+    x = rng.normal(size=(BATCH, 10)).astype("float32")
+    y = {"label": rng.integers(0, 3, BATCH), "value": rng.normal(size=(BATCH, 1)).astype("float32")}
+    loss = {"label": "sparse_categorical_crossentropy", "value": "mse"}
+    return model, x, y, loss
+
+
+KERAS_HUB = {
+    "bert": bert,
+    "gpt2": gpt2,
+    "gemma": gemma,
+    "transformer_encoder": transformer_encoder,
+    "resnet": resnet,
+}
+APPLICATIONS = {
+    "mobilenet_v2": mobilenet_v2,
+    "efficientnet_b0": efficientnet_b0,
+    "convnext_tiny": convnext_tiny,
+}
+OTHERS = {
+    "lstm_masked": lstm_masked,
+    "tutorial_attention": tutorial_attention,
+    "two_outputs": two_outputs,
+}
+FAMILIES = {**KERAS_HUB, **APPLICATIONS, **OTHERS}

@@ -1,0 +1,162 @@
+"""The model zoo: real model families train at every level, on every backend.
+
+Each family (KerasHub backbones and tasks, keras.applications CNNs, a masked
+LSTM/GRU, a two-output model, a user's masked attention block) is built in a
+tiny configuration with random weights and trained a few steps at O1, O2 and
+O3, in float16 and bfloat16, through `compile(amp_level=...)` and `fit`.
+
+The reference is the same model in float32: before training, the model at
+each level must give the float32 model's outputs within the half dtype's
+tolerance; after `fit`, the loss is finite, the outputs are float32, and the
+variables and normalisations are in the dtypes the level says.
+"""
+
+import numpy as np
+import pytest
+
+import keras
+import keras_mp
+from tests.zoo import families
+
+pytestmark = pytest.mark.zoo
+
+BACKEND = keras.backend.backend()
+HALF = ("float16", "bfloat16")
+LEVELS = ("O1", "O2", "O3")
+# Relative tolerance of the outputs at a level against float32, before any
+# training: about 2**-8 (float16) and 2**-5 (bfloat16) per value, grown over
+# a few layers; O3 also rounds the weights.
+TOLERANCE = {
+    ("O1", "float16"): 0.02, ("O2", "float16"): 0.02, ("O3", "float16"): 0.05,
+    ("O1", "bfloat16"): 0.1, ("O2", "bfloat16"): 0.1, ("O3", "bfloat16"): 0.25,
+}
+# Families whose full level x dtype matrix costs the most (keras.applications
+# CNNs: tens of seconds to trace on TensorFlow); `-m "zoo and not heavy"`
+# leaves them out locally. CI runs them.
+HEAVY = set(families.APPLICATIONS)
+
+
+def _np(x):
+    return keras.ops.convert_to_numpy(x).astype("float64")
+
+
+def _has_batchnorm(model):
+    return any(
+        isinstance(layer, keras.layers.BatchNormalization)
+        for layer in model._flatten_layers(include_self=False)
+    )
+
+
+def _build(family):
+    keras.config.set_dtype_policy("float32")
+    keras.utils.set_random_seed(0)
+    return families.FAMILIES[family]()
+
+
+def _cases():
+    for family in families.FAMILIES:
+        marks = [pytest.mark.heavy] if family in HEAVY else []
+        for level in LEVELS:
+            for half in HALF:
+                if family == "tutorial_attention" and level == "O3":
+                    # O3 is half everywhere, the user's own arithmetic too:
+                    # its -1e9 mask is NaN in float16 there, as under Keras's
+                    # own float16 policy (bfloat16 has float32's range).
+                    if half == "float16":
+                        continue
+                yield pytest.param(family, level, half, marks=marks, id=f"{family}-{level}-{half}")
+
+
+def _compile(model, loss, level, half, **kwargs):
+    keep_bn = True if level == "O3" and _has_batchnorm(model) else None
+    model.compile(
+        optimizer=keras.optimizers.Adam(1e-3),
+        loss=loss,
+        amp_level=level,
+        amp_dtype=half,
+        keep_batchnorm_fp32=keep_bn,
+        **kwargs,
+    )
+
+
+def _fit_kwargs(family, x, y):
+    if family == "two_outputs":
+        return {"sample_weight": np.linspace(0.5, 1.5, len(x)).astype("float32")}
+    return {}
+
+
+@pytest.mark.parametrize("family, level, half", list(_cases()))
+def test_family_trains_at_level(family, level, half):
+    model, x, y, loss = _build(family)
+    reference = [_np(o) for o in keras.tree.flatten(model(x, training=False))]
+
+    extra = {"loss_weights": {"label": 1.0, "value": 0.5}} if family == "two_outputs" else {}
+    _compile(model, loss, level, half, **extra)
+
+    # Before training: the level's outputs are the float32 model's, within
+    # the half dtype's tolerance, and float32.
+    outputs = keras.tree.flatten(model(x, training=False))
+    tolerance = TOLERANCE[(level, half)]
+    for out, ref in zip(outputs, reference):
+        assert keras.backend.standardize_dtype(out.dtype) == "float32"
+        error = np.max(np.abs(_np(out) - ref))
+        assert error <= tolerance * (1.0 + np.max(np.abs(ref))), (family, error)
+
+    history = model.fit(x, y, batch_size=4, epochs=1, verbose=0, **_fit_kwargs(family, x, y))
+    assert np.isfinite(history.history["loss"]).all(), history.history
+
+    outputs = keras.tree.flatten(model(x, training=False))
+    for out in outputs:
+        assert keras.backend.standardize_dtype(out.dtype) == "float32"
+        assert np.isfinite(_np(out)).all()
+
+    summary = keras_mp.precision_summary(model)
+    for row in summary.rows:
+        layer_class = row["class"]
+        if level in ("O1", "O2") and layer_class.endswith(("Norm", "Normalization")):
+            assert row["compute_dtype"] == "float32", row
+        if level in ("O1", "O2") and layer_class == "Softmax":
+            assert row["compute_dtype"] == "float32", row
+    for variable in model.trainable_variables:
+        if level in ("O1", "O2"):
+            assert variable.dtype == "float32", variable.path
+    if level == "O3":
+        dtypes = {v.dtype for v in model.trainable_variables}
+        assert half in dtypes, dtypes
+
+
+@pytest.mark.parametrize("family", list(families.FAMILIES), ids=str)
+def test_family_round_trips_through_keras_file(family, tmp_path):
+    if family in HEAVY:
+        pytest.skip("keras.applications: covered by test_saving's CNN round trip")
+    model, x, y, loss = _build(family)
+    _compile(model, loss, "O2", "float16")
+    model.fit(x, y, batch_size=4, epochs=1, verbose=0)
+    before = [_np(o) for o in keras.tree.flatten(model(x, training=False))]
+    path = tmp_path / f"{family}.keras"
+    model.save(path)
+    loaded = keras.models.load_model(path)
+    after = [_np(o) for o in keras.tree.flatten(loaded(x, training=False))]
+    for a, b in zip(after, before):
+        np.testing.assert_array_equal(a, b)
+    assert [r["compute_dtype"] for r in keras_mp.precision_summary(loaded).rows] == [
+        r["compute_dtype"] for r in keras_mp.precision_summary(model).rows
+    ]
+
+
+def test_users_masked_attention_is_finite_where_keras_mixed_policy_is_not():
+    """The tutorial's `logits += mask * -1e9` in a user's layer, in float16."""
+    model, x, y, loss = _build("tutorial_attention")
+    keras.config.set_dtype_policy("mixed_float16")
+    keras.utils.set_random_seed(0)
+    keras_model, _, _, _ = families.tutorial_attention()
+    keras.config.set_dtype_policy("float32")
+    assert not np.isfinite(_np(keras_model(x))).all()  # Keras's own policy: NaN
+
+    keras_mp.apply_amp(model, "O2", "float16")
+    assert np.isfinite(_np(model(x))).all()
+    rule = {r["class"]: r["rule"] for r in keras_mp.precision_summary(model).rows}
+    assert "own arithmetic in float32" in rule["TutorialAttention"]
+    # Opting the block into float16 brings the NaN back: the rule is what fixes it.
+    keras_mp.apply_amp(model, "O2", "float16", allow=[families.TutorialAttention])
+    assert not np.isfinite(_np(model(x))).all()
