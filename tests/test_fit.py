@@ -144,3 +144,34 @@ def test_fit_with_embedding_gradients():
     model.fit(x, y, batch_size=16, epochs=1, verbose=0)
     assert not np.array_equal(model.get_weights()[0], before)
     assert float(_numpy(optimizer.loss_scale)) == 2.0**17  # 4 finite steps: 2 growths
+
+
+@pytest.mark.parametrize("level", ["O0", "O1", "O2", "O3"])
+@pytest.mark.parametrize("how", ["run_eagerly", "no_jit"])
+def test_fit_evaluate_predict_run_eagerly_at_every_level(level, how):
+    """Debugging in a notebook starts with `run_eagerly=True`.
+
+    The same epoch as a compiled one, at every level, with a NaN batch
+    skipped: the loss scale and skipped steps reach the logs as numbers.
+    """
+    x, y = _data(with_nan=True)
+    model = _model("float32")
+    kwargs = {"run_eagerly": True} if how == "run_eagerly" else {"jit_compile": False}
+    model.compile(
+        optimizer=keras.optimizers.Adam(1e-2),
+        loss="sparse_categorical_crossentropy",
+        amp_level=level,
+        loss_scale="dynamic",
+        **kwargs,
+    )
+    history = model.fit(x, y, batch_size=BATCH, epochs=1, verbose=0)
+    (skipped,) = history.history["skipped_steps"]
+    # The NaN batch; at O3 (float16 everywhere) the first scale may overflow too.
+    assert skipped == 1 or (level == "O3" and skipped == 2)
+    assert history.history["loss_scale"] == [2.0**15 / 2**skipped]
+    assert np.isfinite(history.history["loss"]).all()
+    assert all(np.isfinite(w).all() for w in model.get_weights())
+    loss = model.evaluate(x[: 2 * BATCH], y[: 2 * BATCH], verbose=0)
+    assert np.isfinite(loss)
+    predictions = model.predict(x[: 2 * BATCH], verbose=0)
+    assert predictions.dtype == np.float32 and np.isfinite(predictions).all()

@@ -83,9 +83,16 @@ def _stateful_train_step(original, model, optimizer, guard):
                 optimizer.loss_scale.value.clone(),
                 optimizer.skipped_steps.value.clone(),
             )
-        # TensorFlow: a read of the variable after the step is its value.
+        # TensorFlow: a read of the variable after the step is its value. A
+        # tensor, not the `tf.Variable` that `.value` is: eager `fit`
+        # (`run_eagerly=True`) passes the logs through a `tf.data` Optional,
+        # which cannot hold a variable.
+        import tensorflow as tf
+
         return _with_telemetry(
-            logs, optimizer.loss_scale.value, optimizer.skipped_steps.value
+            logs,
+            tf.identity(optimizer.loss_scale.value),
+            tf.identity(optimizer.skipped_steps.value),
         )
 
     return train_step
