@@ -106,9 +106,15 @@ def efficientnet_b0():
     return _application(keras.applications.EfficientNetB0)
 
 
-def convnext_tiny():
-    """LayerNorm, layer scale, a Normalization preprocessing layer."""
-    return _application(keras.applications.ConvNeXtTiny)
+def convnext():
+    """ConvNeXtTiny's layers (LayerNorm, layer scale, a Normalization
+    preprocessing layer) at a small depth and width: ConvNeXtTiny itself has
+    28M parameters whatever the input size. Built by Keras's own builder."""
+    from keras.src.applications.convnext import ConvNeXt
+
+    return _application(
+        ConvNeXt, depths=[1, 1, 2, 1], projection_dims=[16, 32, 64, 128], name="convnext"
+    )
 
 
 def lstm_masked():
@@ -192,7 +198,7 @@ KERAS_HUB = {
 APPLICATIONS = {
     "mobilenet_v2": mobilenet_v2,
     "efficientnet_b0": efficientnet_b0,
-    "convnext_tiny": convnext_tiny,
+    "convnext": convnext,
 }
 OTHERS = {
     "lstm_masked": lstm_masked,
