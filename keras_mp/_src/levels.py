@@ -3,12 +3,13 @@
 | level | compute                              | variables | BatchNorm            | loss scale (float16) |
 |-------|--------------------------------------|-----------|----------------------|----------------------|
 | O0    | float32                              | float32   | float32              | none                 |
-| O1    | half on the allow-list, else float32 | float32   | float32              | dynamic              |
+| O1    | half on the allow-list and inside it | float32   | float32              | dynamic              |
 | O2    | half except the deny-list            | float32   | float32              | dynamic              |
 | O3    | half everywhere                      | half      | half unless kept     | none                 |
 
 "half" is float16, or bfloat16 (whose range is float32's: no loss scaling by
-default). The lists of layers live in `policies.py`.
+default). The lists of layers, and the rules at the boundaries between
+layers of different dtypes, live in `policies.py`.
 """
 
 import dataclasses

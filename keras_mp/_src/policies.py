@@ -382,16 +382,24 @@ def apply_amp(
 
     - `"O0"`: float32 everywhere (the accuracy baseline).
     - `"O1"`: half compute on the allow-list only (`ALLOW_LIST`: Dense,
-      EinsumDense, convolutions, attention, recurrent cells), float32 variables.
+      EinsumDense, convolutions, attention, recurrent cells) and the layers
+      inside them but for the deny-list; float32 variables.
     - `"O2"`: half compute everywhere except the deny-list (`DENY_LIST`:
-      normalisations and Softmax) and the model's output layers; float32
-      variables (master weights).
+      normalisations, also any class named `...Norm`/`...Normalization`,
+      and Softmax) and the model's output layers; float32 variables (master
+      weights). In float16, a layer defined outside Keras and KerasHub that
+      contains other layers runs its own arithmetic in float32 (the layers
+      inside it compute in half), unless it is in `allow`.
     - `"O3"`: half compute and half variables everywhere; BatchNorm too unless
       `keep_batchnorm_fp32=True`. A built model's weights are converted in
       place (same model, same variable objects, values rounded to half).
 
     The model's output layers compute in float32 at every level, so outputs
-    and the loss are float32.
+    and the loss are float32. Inside a layer that calls other layers, a
+    sublayer whose compute dtype differs from its caller's returns its
+    outputs in the caller's dtype, so the caller's own arithmetic sees one
+    dtype. `keras.layers.Normalization` stays float32 at every level, and
+    quantized policies are kept.
 
     Args:
         model: a Keras model (Sequential, functional or subclassed) or layer,
@@ -399,7 +407,8 @@ def apply_amp(
         level: one of `"O0"`, `"O1"`, `"O2"`, `"O3"`.
         dtype: the half dtype, `"float16"` or `"bfloat16"`.
         keep_batchnorm_fp32: bool or `None` (float32 BatchNorm except at O3).
-        allow: layer classes or names to add to the allow-list (O1).
+        allow: layer classes or names to add to the allow-list (O1), or, at
+            O2, your own composite layers to run in half.
         deny: layer classes or names to add to the deny-list (O2).
 
     Returns:
