@@ -248,3 +248,50 @@ def test_any_level_and_dtype_is_accepted_or_named(level, dtype):
         assert "`level`" in str(e) or "`dtype`" in str(e)
         return
     assert str(level).upper() in keras_mp.LEVELS and dtype in keras_mp.HALF_DTYPES
+
+
+@pytest.mark.parametrize("level", ["O1", "O2", "O3"])
+def test_quantized_policies_are_kept(level):
+    """KerasHub's int8/float8 layers keep their quantized policy."""
+    model = keras.Sequential(
+        [keras.Input((8,)), keras.layers.Dense(16, name="q"), keras.layers.Dense(2, name="head")]
+    )
+    model.get_layer("q").quantize("int8")
+    quantized = model.get_layer("q").dtype_policy.name
+    assert model.get_layer("q").dtype_policy.quantization_mode == "int8"
+    keras_mp.apply_amp(model, level)
+    assert model.get_layer("q").dtype_policy.name == quantized
+    rule = {r["layer"].split("/")[-1]: r["rule"] for r in keras_mp.precision_summary(model).rows}
+    assert rule["q"].startswith("quantized")
+    out = model(np.ones((2, 8), "float32"))
+    assert keras.backend.standardize_dtype(out.dtype) == "float32"
+
+
+def test_boundary_rule_gives_the_caller_one_dtype():
+    """A composite layer adding its sublayers' outputs: float32 LayerNorm in
+    a float16 block (O2), float16 Dense in a float32 block (O1)."""
+
+    @keras.saving.register_keras_serializable(package="keras_mp_tests")
+    class Block(keras.layers.Layer):
+        def __init__(self, **kwargs):
+            super().__init__(**kwargs)
+            self.dense = keras.layers.Dense(8)
+            self.norm = keras.layers.LayerNormalization()
+
+        def call(self, x):
+            return x + self.norm(x) + self.dense(x)  # raw arithmetic on both
+
+    model = keras.Sequential([keras.Input((8,)), Block(name="block"), keras.layers.Dense(2)])
+    for level, block_dtype in [("O1", "float32"), ("O2", "float32"), ("O3", "float16")]:
+        keras_mp.apply_amp(model, level, allow=[] if level != "O2" else None)
+        block = model.get_layer("block")
+        assert block.compute_dtype == block_dtype, level
+        out = block(np.ones((2, 8), "float32"))
+        assert keras.backend.standardize_dtype(out.dtype) == block_dtype
+    # Opted into half at O2: LayerNorm (float32) returns float16 to it.
+    keras_mp.apply_amp(model, "O2", allow=[Block])
+    assert block.compute_dtype == "float16" and block.norm.compute_dtype == "float32"
+    out = block(np.ones((2, 8), "float32"))
+    assert keras.backend.standardize_dtype(out.dtype) == "float16"
+    rows = {r["layer"]: r["rule"] for r in keras_mp.precision_summary(model).rows}
+    assert any("returns float16 to block" in rule for rule in rows.values())

@@ -37,6 +37,10 @@ TOLERANCE = {
 # (`test_application_trains_compiled`). `-m "not heavy"` leaves them out
 # locally; CI runs them.
 HEAVY = set(families.APPLICATIONS)
+# The other families compile `fit` (graph on TensorFlow, XLA on JAX) in one
+# cell per level and at least one per dtype, and run the others eagerly: the
+# policies and casts are the same, and compiling costs 3-10 s a cell.
+COMPILED = {("O1", "float16"), ("O2", "float16"), ("O3", "bfloat16")}
 
 
 def _np(x):
@@ -109,7 +113,8 @@ def test_family_trains_at_level(family, level, half):
     reference = [_np(o) for o in keras.tree.flatten(model(x, training=False))]
 
     extra = {"loss_weights": {"label": 1.0, "value": 0.5}} if family == "two_outputs" else {}
-    _compile(model, loss, level, half, run_eagerly=family in HEAVY, **extra)
+    eager = family in HEAVY or (level, half) not in COMPILED
+    _compile(model, loss, level, half, run_eagerly=eager, **extra)
 
     # Before training: the level's outputs are the float32 model's, within
     # the half dtype's tolerance, and float32.
@@ -167,7 +172,7 @@ def test_family_round_trips_through_keras_file(family, tmp_path):
     if family in HEAVY:
         pytest.skip("keras.applications: covered by test_saving's CNN round trip")
     model, x, y, loss = _build(family)
-    _compile(model, loss, "O2", "float16")
+    _compile(model, loss, "O2", "float16", run_eagerly=True)
     model.fit(x, y, batch_size=4, epochs=1, verbose=0)
     before = [_np(o) for o in keras.tree.flatten(model(x, training=False))]
     path = tmp_path / f"{family}.keras"
@@ -197,3 +202,48 @@ def test_users_masked_attention_is_finite_where_keras_mixed_policy_is_not():
     # Opting the block into float16 brings the NaN back: the rule is what fixes it.
     keras_mp.apply_amp(model, "O2", "float16", allow=[families.TutorialAttention])
     assert not np.isfinite(_np(model(x))).all()
+
+
+@pytest.mark.skipif(BACKEND != "tensorflow", reason="SavedModel export is TensorFlow's")
+@pytest.mark.parametrize("family", ["bert", "resnet", "lstm_masked"])
+def test_family_exports_a_float32_signature(family, tmp_path):
+    import tensorflow as tf
+
+    model, x, y, loss = _build(family)
+    _compile(model, loss, "O2", "float16")
+    model.fit(x, y, batch_size=4, epochs=1, verbose=0)
+    expected = _np(model(x, training=False))
+    path = str(tmp_path / family)
+    model.export(path)
+    signature = tf.saved_model.load(path).signatures["serving_default"]
+    inputs = signature.structured_input_signature[1]
+    assert {spec.dtype for spec in inputs.values() if spec.dtype.is_floating} <= {tf.float32}
+    feed = x if isinstance(x, dict) else {next(iter(inputs)): x}
+    feed = {name: tf.constant(feed[name], dtype=spec.dtype) for name, spec in inputs.items()}
+    (served,) = signature(**feed).values()
+    assert served.dtype == tf.float32
+    np.testing.assert_allclose(served.numpy(), expected, rtol=1e-3, atol=1e-3)
+
+
+@pytest.mark.parametrize("level, half", [("O1", "bfloat16"), ("O2", "float16"), ("O2", "bfloat16")])
+def test_optimizer_features_on_a_transformer(level, half):
+    """AdamW's weight decay, EMA, global clipping and a schedule, under a level.
+
+    Not O3 yet: its float32 output layer beside half variables breaks
+    Keras's `clip_by_global_norm` on TensorFlow (it stacks the norms of
+    float32 and half gradients), an open defect of its own.
+    """
+    model, x, y, loss = _build("bert")
+    schedule = keras.optimizers.schedules.CosineDecay(1e-3, decay_steps=10, alpha=0.1)
+    optimizer = keras.optimizers.AdamW(
+        schedule, weight_decay=0.01, use_ema=True, global_clipnorm=1.0
+    )
+    model.compile(optimizer=optimizer, loss=loss, amp_level=level, amp_dtype=half)
+    before = [_np(v) for v in model.trainable_variables]
+    history = model.fit(x, y, batch_size=4, epochs=2, verbose=0)
+    assert np.isfinite(history.history["loss"]).all()
+    after = [_np(v) for v in model.trainable_variables]
+    assert any(not np.array_equal(a, b) for a, b in zip(after, before))
+    assert all(np.isfinite(a).all() for a in after)
+    inner = getattr(model.optimizer, "inner_optimizer", model.optimizer)
+    assert inner is optimizer and int(_np(inner.iterations)) > 0
