@@ -81,8 +81,15 @@ def float32_accuracies():
     return accuracies
 
 
-@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
-@pytest.mark.parametrize("level", ["O1", "O2"])
+# Each cell is 3 seeds x 40 epochs. TensorFlow (the main backend) runs every
+# level in both half dtypes; JAX and PyTorch run each level once, covering
+# both dtypes (O1 in bfloat16, O2 in float16 with its loss scaling).
+CELLS = [("O1", "float16"), ("O1", "bfloat16"), ("O2", "float16"), ("O2", "bfloat16")]
+if keras.backend.backend() != "tensorflow":
+    CELLS = [("O1", "bfloat16"), ("O2", "float16")]
+
+
+@pytest.mark.parametrize("level, dtype", CELLS, ids=["-".join(c) for c in CELLS])
 def test_mixed_precision_matches_float32(float32_accuracies, level, dtype):
     accuracies = _accuracies(level, dtype)
     gap = np.mean(accuracies) - np.mean(float32_accuracies)
