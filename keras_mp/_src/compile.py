@@ -16,6 +16,7 @@ from keras_mp._src.levels import LEVELS
 from keras_mp._src.levels import check_half_dtype
 from keras_mp._src.levels import get_level
 from keras_mp._src.loss_scale_optimizer import _MAX_SCALE
+from keras_mp._src.clipping import clip_in_float32
 from keras_mp._src.loss_scale_optimizer import LossScaleOptimizer
 from keras_mp._src.policies import apply_amp
 from keras_mp._src.state_guard import guard_train_step
@@ -188,9 +189,9 @@ def _compile_with_amp(self, *args, amp_level=None, amp_dtype=_DEFAULT, loss_scal
     arguments = dict(bound.arguments)
     arguments.pop("self")
     apply_amp(self, level, dtype, keep_batchnorm_fp32=keep_batchnorm_fp32)
-    arguments["optimizer"] = _wrap_optimizer(
-        keras.optimizers.get(arguments["optimizer"]), loss_scale
-    )
+    optimizer = _wrap_optimizer(keras.optimizers.get(arguments["optimizer"]), loss_scale)
+    clip_in_float32(getattr(optimizer, "inner_optimizer", optimizer))
+    arguments["optimizer"] = optimizer
     # keras_mp decides about loss scaling; Keras must not wrap a second time.
     arguments["auto_scale_loss"] = False
     result = _keras_compile(self, **arguments)

@@ -7,6 +7,7 @@ from keras import ops
 from keras.src.utils import tracking
 
 from keras_mp._src import backend_ops
+from keras_mp._src.clipping import clip_in_float32
 from keras_mp._src.loss_scale import LossScaleConfig
 from keras_mp._src.loss_scale import LossScaleState
 from keras_mp._src.loss_scale import update
@@ -162,6 +163,7 @@ class LossScaleOptimizer(_KerasLossScaleOptimizer):
         # The loss is scaled here; scaling it in the inner optimizer as well
         # would scale it twice.
         self.inner_optimizer.loss_scale_factor = None
+        clip_in_float32(self.inner_optimizer)
         self._config = config
         self.initial_scale = float(initial_scale)
         self.dynamic_growth_steps = int(dynamic_growth_steps)

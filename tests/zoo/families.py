@@ -28,11 +28,12 @@ def _tokens(rng):
     return ids, padding
 
 
-def bert():
+def bert(dtype=None):
+    """`dtype` as `from_preset(..., dtype=...)` passes it to the backbone."""
     rng = _rng()
     backbone = keras_hub.models.BertBackbone(
         vocabulary_size=VOCAB, num_layers=2, num_heads=2, hidden_dim=16,
-        intermediate_dim=32, max_sequence_length=16,
+        intermediate_dim=32, max_sequence_length=16, dtype=dtype,
     )
     model = keras_hub.models.BertTextClassifier(backbone, num_classes=3, preprocessor=None)
     ids, padding = _tokens(rng)
