@@ -245,3 +245,55 @@ def test_damaged_keras_file_raises(tmp_path, damage):
     # The archive's reader or h5py's (whose wording changes between versions,
     # e.g. "ring type mismatch" in newer ones) says what broke.
     assert any(word in message for word in ("zip", "crc", "file", "truncat", "h5", "mismatch", "unable to")), message
+
+
+@keras.saving.register_keras_serializable(package="keras_mp_tests")
+class SubclassedNet(keras.Model):
+    def __init__(self, **kwargs):
+        super().__init__(**kwargs)
+        self.hidden = keras.layers.Dense(16, activation="relu", name="hidden")
+        self.norm = keras.layers.LayerNormalization(name="norm")
+        self.out = keras.layers.Dense(3, activation="softmax", name="out")
+
+    def call(self, x):
+        return self.out(self.norm(self.hidden(x)))
+
+
+def _normalization_first():
+    """`keras.layers.Normalization` first, adapted: its statistics are set,
+    not trained, and converted to its compute dtype when it is built."""
+    x, _ = _data()
+    norm = keras.layers.Normalization(name="normalization")
+    norm.adapt(np.nan_to_num(x) * 50.0 + 300.0)  # statistics far from 0 and 1
+    return keras.Sequential(
+        [keras.Input((6,)), norm, keras.layers.Dense(16, activation="relu"),
+         keras.layers.BatchNormalization(), keras.layers.Dense(3, activation="softmax")]
+    )
+
+
+@pytest.mark.parametrize("level", ["O2", "O3"])
+@pytest.mark.parametrize("kind", ["normalization_first", "subclassed"])
+def test_every_model_kind_keeps_its_precision_through_a_keras_file(tmp_path, kind, level):
+    keras.utils.set_random_seed(0)
+    model = _normalization_first() if kind == "normalization_first" else SubclassedNet(name="net")
+    model.compile(
+        optimizer="adam", loss="sparse_categorical_crossentropy", amp_level=level,
+        keep_batchnorm_fp32=True if level == "O3" else None,
+    )
+    x, y = _data()
+    x = np.nan_to_num(x) * 50.0 + 300.0 if kind == "normalization_first" else np.nan_to_num(x)
+    model.fit(x, y, batch_size=BATCH, epochs=1, verbose=0)
+    before = model.predict(x, verbose=0)
+    path = str(tmp_path / "model.keras")
+    model.save(path)
+    loaded = keras.models.load_model(path)
+    assert _policies(loaded) == _policies(model)
+    assert [v.dtype for v in loaded.weights] == [v.dtype for v in model.weights]
+    if kind == "normalization_first":
+        norm = loaded.get_layer("normalization")
+        assert norm.dtype_policy.name == "float32"
+        assert {keras.backend.standardize_dtype(norm.mean.dtype),
+                keras.backend.standardize_dtype(norm.variance.dtype)} == {"float32"}
+    after = loaded.predict(x, verbose=0)
+    assert after.dtype == np.float32
+    np.testing.assert_array_equal(after, before)
