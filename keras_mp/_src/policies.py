@@ -279,6 +279,13 @@ def _decide(layer, level, half, keep_batchnorm_fp32, allow, deny, outputs, insid
         return "float32", f"{level.name}: attention on JAX's CPU, float32 (no float16 dot there)"
     if (
         half == "float16"
+        and level.half_compute in ("allow", "deny")
+        and type(layer).__name__ in _MASKS_BEYOND_FLOAT16
+        and not _matches(layer, allow[len(ALLOW_LIST):])
+    ):
+        return "float32", f"{level.name}: masks with -1e9, own arithmetic in float32"
+    if (
+        half == "float16"
         and level.half_compute == "deny"
         and _runs_unknown_arithmetic(layer)
         and not _matches(layer, allow[len(ALLOW_LIST):])
@@ -300,6 +307,12 @@ def _decide(layer, level, half, keep_batchnorm_fp32, allow, deny, outputs, insid
     if _is_batchnorm(layer) and keep_batchnorm_fp32:
         return "float32", f"{level.name}: keep_batchnorm_fp32=True"
     return half, f"{level.name}: half everywhere"
+
+
+# Library layers whose own `call` masks with `-1e9`, which is `-inf` in
+# float16 (`0 * -inf` is NaN): NaN under Keras's `mixed_float16`. Their
+# projections still compute in half; their own arithmetic in float32.
+_MASKS_BEYOND_FLOAT16 = frozenset({"T5MultiHeadAttention"})
 
 
 def _runs_unknown_arithmetic(layer):

@@ -65,6 +65,23 @@ def gemma():
     return model, x, rng.integers(0, VOCAB, (BATCH, SEQ)), "sparse_categorical_crossentropy"
 
 
+def t5():
+    """KerasHub's T5 encoder-decoder: relative attention bias, T5's RMS norm,
+    gated feed-forward, cross-attention; a sequence-to-sequence LM head."""
+    rng = _rng()
+    backbone = keras_hub.models.T5Backbone(
+        vocabulary_size=VOCAB, num_layers=1, num_heads=2, hidden_dim=16,
+        intermediate_dim=32, key_value_dim=8, dropout=0.0,
+    )
+    model = keras_hub.models.T5Seq2SeqLM(backbone, preprocessor=None)
+    ids, padding = _tokens(rng)
+    x = {
+        "encoder_token_ids": ids, "encoder_padding_mask": padding,
+        "decoder_token_ids": ids, "decoder_padding_mask": padding,
+    }
+    return model, x, rng.integers(0, VOCAB, (BATCH, SEQ)), "sparse_categorical_crossentropy"
+
+
 def resnet():
     """KerasHub's ResNet image classifier (BatchNorm, residual adds)."""
     rng = _rng()
@@ -96,6 +113,18 @@ def _application(constructor, **kwargs):
     model = constructor(weights=None, input_shape=(32, 32, 3), classes=3, **kwargs)
     x = rng.uniform(0, 255, size=(BATCH, 32, 32, 3)).astype("float32")
     return model, x, rng.integers(0, 3, BATCH), "sparse_categorical_crossentropy"
+
+
+def resnet50():
+    """ResNet50's bottleneck blocks (Conv-BN-ReLU, projection shortcuts) in
+    two stages of one block at a quarter width: Keras's own ResNet builder."""
+    from keras.src.applications.resnet import ResNet, stack_residual_blocks_v1
+
+    def stacks(x):
+        x = stack_residual_blocks_v1(x, 16, 1, stride1=1, name="conv2")
+        return stack_residual_blocks_v1(x, 32, 1, name="conv3")
+
+    return _application(ResNet, stack_fn=stacks, preact=False, use_bias=True, name="resnet50")
 
 
 def mobilenet_v2():
@@ -200,10 +229,12 @@ KERAS_HUB = {
     "bert": bert,
     "gpt2": gpt2,
     "gemma": gemma,
+    "t5": t5,
     "transformer_encoder": transformer_encoder,
     "resnet": resnet,
 }
 APPLICATIONS = {
+    "resnet50": resnet50,
     "mobilenet_v2": mobilenet_v2,
     "efficientnet": efficientnet,
     "convnext": convnext,

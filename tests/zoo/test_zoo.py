@@ -91,10 +91,10 @@ def _cases():
             for half in HALF:
                 if JAX and (level, half) not in COMPILED:
                     continue
-                if family == "tutorial_attention" and level == "O3":
-                    # O3 is half everywhere, the user's own arithmetic too:
-                    # its -1e9 mask is NaN in float16 there, as under Keras's
-                    # own float16 policy (bfloat16 has float32's range).
+                if family in ("tutorial_attention", "t5") and level == "O3":
+                    # O3 is half everywhere, the attention's own arithmetic
+                    # too: its -1e9 mask is NaN in float16 there, as under
+                    # Keras's own float16 policy (bfloat16 has float32's range).
                     if half == "float16":
                         continue
                 yield pytest.param(family, level, half, marks=marks, id=f"{family}-{level}-{half}")
@@ -279,6 +279,22 @@ def test_users_masked_attention_is_finite_where_keras_mixed_policy_is_not():
     # Opting the block into float16 brings the NaN back: the rule is what fixes it.
     keras_mp.apply_amp(model, "O2", "float16", allow=[families.TutorialAttention])
     assert not np.isfinite(_np(model(x))).all()
+
+
+def test_keras_hub_t5_is_finite_where_keras_mixed_policy_is_not():
+    """KerasHub's T5 attention masks with `-1e9` in its compute dtype."""
+    model, x, y, loss = _build("t5")
+    keras.config.set_dtype_policy("mixed_float16")
+    keras.utils.set_random_seed(0)
+    keras_model, _, _, _ = families.t5()
+    keras.config.set_dtype_policy("float32")
+    if BACKEND != "torch":  # PyTorch's masked sum stays finite there
+        assert not np.isfinite(_np(keras_model(x))).all()  # Keras's own policy: NaN
+
+    keras_mp.apply_amp(model, "O2", "float16")
+    assert np.isfinite(_np(model(x))).all()
+    rule = {r["class"]: r["rule"] for r in keras_mp.precision_summary(model).rows}
+    assert "masks with -1e9" in rule["T5MultiHeadAttention"]
 
 
 @pytest.mark.skipif(BACKEND != "tensorflow", reason="SavedModel export is TensorFlow's")
