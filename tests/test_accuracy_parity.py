@@ -1,6 +1,6 @@
 """Accuracy parity on real data: scikit-learn's bundled digits (no download).
 
-A small CNN trained at O0, O1 and O2, in float16 and bfloat16, with fixed
+A small CNN trained at O0, O1 (bfloat16) and O2 (float16), with fixed
 seeds and enough epochs to converge: each level's test accuracy, averaged
 over the same few seeds, is within 1 point of the float32 (O0) one.
 
@@ -81,12 +81,9 @@ def float32_accuracies():
     return accuracies
 
 
-# Each cell is 3 seeds x 40 epochs. TensorFlow (the main backend) runs every
-# level in both half dtypes; JAX and PyTorch run each level once, covering
-# both dtypes (O1 in bfloat16, O2 in float16 with its loss scaling).
-CELLS = [("O1", "float16"), ("O1", "bfloat16"), ("O2", "float16"), ("O2", "bfloat16")]
-if keras.backend.backend() != "tensorflow":
-    CELLS = [("O1", "bfloat16"), ("O2", "float16")]
+# Each cell is 3 seeds x 40 epochs: each level runs once, the two cells
+# covering both dtypes (O1 in bfloat16, O2 in float16 with its loss scaling).
+CELLS = [("O1", "bfloat16"), ("O2", "float16")]
 
 
 @pytest.mark.parametrize("level, dtype", CELLS, ids=["-".join(c) for c in CELLS])

@@ -42,8 +42,7 @@ OPTIMIZERS = {
     ),
 }
 ADAM_FAMILY = ("adamw_global_clipnorm_ema_schedule", "adam_clipvalue_ema_overwrite")
-CELLS = [("O1", "float16"), ("O2", "float16"), ("O2", "bfloat16"),
-         ("O3", "float16"), ("O3", "bfloat16")]
+CELLS = [("O1", "bfloat16"), ("O2", "float16"), ("O3", "float16"), ("O3", "bfloat16")]
 # Bounds on the cosine similarity of all weight updates against float32's,
 # and on their norms' ratio. O1/O2 keep float32 variables: the same updates.
 # O3 rounds each updated weight to half: in bfloat16 (8 bits) an update
