@@ -272,19 +272,29 @@ def test_keras_hub_model_with_its_own_dtype_trains_at_a_level(form):
     assert any(not np.array_equal(a, b) for a, b in zip(after, before))
 
 
+def _keras_mixed_float16_outputs(family, x):
+    """The family's outputs under Keras's own `mixed_float16` policy."""
+    keras.config.set_dtype_policy("mixed_float16")
+    try:
+        keras.utils.set_random_seed(0)
+        keras_model, _, _, _ = families.FAMILIES[family]()
+        return _np(keras_model(x))
+    finally:
+        keras.config.set_dtype_policy("float32")
+
+
+def _rule(model, layer_class):
+    return {r["class"]: r["rule"] for r in keras_mp.precision_summary(model).rows}[layer_class]
+
+
 def test_users_masked_attention_is_finite_where_keras_mixed_policy_is_not():
     """The tutorial's `logits += mask * -1e9` in a user's layer, in float16."""
     model, x, y, loss = _build("tutorial_attention")
-    keras.config.set_dtype_policy("mixed_float16")
-    keras.utils.set_random_seed(0)
-    keras_model, _, _, _ = families.tutorial_attention()
-    keras.config.set_dtype_policy("float32")
-    assert not np.isfinite(_np(keras_model(x))).all()  # Keras's own policy: NaN
+    assert not np.isfinite(_keras_mixed_float16_outputs("tutorial_attention", x)).all()
 
     keras_mp.apply_amp(model, "O2", "float16")
     assert np.isfinite(_np(model(x))).all()
-    rule = {r["class"]: r["rule"] for r in keras_mp.precision_summary(model).rows}
-    assert "own arithmetic in float32" in rule["TutorialAttention"]
+    assert "own arithmetic in float32" in _rule(model, "TutorialAttention")
     # Opting the block into float16 brings the NaN back: the rule is what fixes it.
     keras_mp.apply_amp(model, "O2", "float16", allow=[families.TutorialAttention])
     assert not np.isfinite(_np(model(x))).all()
@@ -293,17 +303,12 @@ def test_users_masked_attention_is_finite_where_keras_mixed_policy_is_not():
 def test_keras_hub_t5_is_finite_where_keras_mixed_policy_is_not():
     """KerasHub's T5 attention masks with `-1e9` in its compute dtype."""
     model, x, y, loss = _build("t5")
-    keras.config.set_dtype_policy("mixed_float16")
-    keras.utils.set_random_seed(0)
-    keras_model, _, _, _ = families.t5()
-    keras.config.set_dtype_policy("float32")
     if BACKEND != "torch":  # PyTorch's masked sum stays finite there
-        assert not np.isfinite(_np(keras_model(x))).all()  # Keras's own policy: NaN
+        assert not np.isfinite(_keras_mixed_float16_outputs("t5", x)).all()
 
     keras_mp.apply_amp(model, "O2", "float16")
     assert np.isfinite(_np(model(x))).all()
-    rule = {r["class"]: r["rule"] for r in keras_mp.precision_summary(model).rows}
-    assert "masks with -1e9" in rule["T5MultiHeadAttention"]
+    assert "masks with -1e9" in _rule(model, "T5MultiHeadAttention")
 
 
 @pytest.mark.skipif(BACKEND != "tensorflow", reason="SavedModel export is TensorFlow's")
