@@ -23,9 +23,10 @@ def clip_in_float32(optimizer):
     keras_clip = optimizer._clip_gradients  # the bound method of its class
 
     def clip_gradients(grads):
+        clips = optimizer.clipnorm or optimizer.global_clipnorm or optimizer.clipvalue
         dtypes = [None if g is None else keras.backend.standardize_dtype(g.dtype) for g in grads]
-        if all(d in (None, "float32", "float64") for d in dtypes):
-            return keras_clip(grads)
+        if not clips or all(d in (None, "float32", "float64") for d in dtypes):
+            return keras_clip(grads)  # no casts where nothing is clipped
         up = [g if d in (None, "float32", "float64") else keras.ops.cast(g, "float32")
               for g, d in zip(grads, dtypes)]
         clipped = keras_clip(up)
