@@ -71,6 +71,40 @@ def test_update_fixed_scale_never_changes(finite, as_tensor):
     assert (good, skipped) == ((1, 0) if finite else (0, 1))
 
 
+TRANSITIONS = [
+    # (dynamic, state, finite): every branch of `update`, with the bounds.
+    (True, (8.0, 0, 0), True),  # count
+    (True, (8.0, 2, 0), True),  # grow
+    (True, (48.0, 2, 0), True),  # grow to the ceiling
+    (True, (64.0, 2, 0), True),  # at the ceiling
+    (True, (8.0, 2, 5), False),  # back off
+    (True, (1.5, 1, 0), False),  # back off to the floor
+    (True, (1.0, 0, 3), False),  # at the floor
+    (False, (1000.0, 5, 0), True),  # fixed: count
+    (False, (1000.0, 5, 2), False),  # fixed: skip
+]
+
+
+@pytest.mark.skipif(BACKEND != "torch", reason="PyTorch's in-place form of `update`")
+@pytest.mark.parametrize("dynamic, state, finite", TRANSITIONS)
+def test_torch_in_place_update_agrees_with_update(dynamic, state, finite):
+    """PyTorch's step updates the state with in-place ops (faster than
+    `update` through `keras.ops`): the same transition, every branch."""
+    from keras_mp._src.backends import torch as torch_backend
+    from keras_mp._src.loss_scale import Step
+
+    config = LossScaleConfig(dynamic=dynamic, dynamic_growth_steps=3, min_scale=1.0, max_scale=64.0)
+    variables = [
+        keras.Variable(value, dtype=dtype, trainable=False)
+        for value, dtype in zip(state, ("float32", "int32", "int32"))
+    ]
+    step = Step(*[None] * len(Step._fields))._replace(config=config, variables=variables)
+    torch_backend.update_in_place(step, finite)
+    in_place = (float(_numpy(variables[0])), int(_numpy(variables[1])), int(_numpy(variables[2])))
+    assert in_place == _run_update(state, finite, config, as_tensor=False)
+    assert in_place == _run_update(state, finite, config, as_tensor=True)
+
+
 # -- the optimizer against the reference, step by step ------------------------
 
 STEP_KINDS = ("finite", "finite", "finite", "inf", "-inf", "nan", "huge")

@@ -82,6 +82,22 @@ def check_inner_only_arguments(kwargs):
         )
 
 
+def check_inner_setting(wrapper, name, value):
+    """Refuses `wrapper.<name> = value` for a setting of the inner optimizer.
+
+    Set on the wrapper, it would change the wrapper's own, unused copy: the
+    inner optimizer sees the unscaled gradients and does the clipping, EMA
+    and so on.
+    """
+    if name in INNER_ONLY_ARGUMENTS and value != getattr(wrapper, name, INNER_ONLY_ARGUMENTS[name]):
+        raise ValueError(
+            f"LossScaleOptimizer does not take `{name}`: set it on the "
+            f"inner optimizer ({type(wrapper.inner_optimizer).__name__}), "
+            f"before the first step: `optimizer.inner_optimizer.{name} = "
+            f"{value!r}`. Received: {name}={value!r}"
+        )
+
+
 _WRAPPER_ATTRIBUTE = "_keras_mp_loss_scale_wrapper"
 
 

@@ -2,11 +2,13 @@
 
 Every execution path of `keras_mp.LossScaleOptimizer` (stateful TensorFlow,
 stateless JAX, distributed) computes the next state with `update` below and
-only stores the result. PyTorch, which knows the outcome on the host, mirrors
-it with in-place torch ops (`backends.torch.update_in_place`);
-the reference tests drive both. `update` is a pure function built from
-`keras.ops` selects, so it traces under `tf.function`, XLA and `jax.jit` alike
-and never needs the host to look at a tensor.
+only stores the result. PyTorch, which knows the outcome on the host, runs the
+same transition as in-place torch ops (`backends.torch.update_in_place`, kept
+because `update` through `keras.ops` is measurably slower per eager step);
+`test_torch_in_place_update_agrees_with_update` checks every transition.
+`update` is a pure function built from `keras.ops` selects, so it traces under
+`tf.function`, XLA and `jax.jit` alike and never needs the host to look at a
+tensor.
 """
 
 import dataclasses

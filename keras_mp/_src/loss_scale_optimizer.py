@@ -1,5 +1,6 @@
 """`keras_mp.LossScaleOptimizer`: fixed and dynamic loss scaling."""
 
+import dataclasses
 import functools
 import warnings
 
@@ -8,9 +9,9 @@ from keras import ops
 from keras.src.utils import tracking
 
 from keras_mp._src import backends
-from keras_mp._src.inner_optimizer import INNER_ONLY_ARGUMENTS
 from keras_mp._src.inner_optimizer import check_inner_only_arguments
 from keras_mp._src.inner_optimizer import check_inner_optimizer
+from keras_mp._src.inner_optimizer import check_inner_setting
 from keras_mp._src.inner_optimizer import clip_in_float32
 from keras_mp._src.inner_optimizer import mark_wrapped
 from keras_mp._src.loss_scale import Step
@@ -90,12 +91,11 @@ class LossScaleOptimizer(_KerasLossScaleOptimizer):
     `examples/custom_training_loop.py`.
 
     Note:
-        State lives in three optimizer variables, saved and restored with the
-        optimizer: `loss_scale` (float32; Keras's `dynamic_scale`),
-        `good_steps` (`step_counter`, tf.keras 2's `dynamic_counter`) and
-        `skipped_steps`. No host synchronisation on TensorFlow and JAX;
-        PyTorch reads one flag per step, as `torch.amp.GradScaler`. Unlike
-        Keras 3's built-in, the scale never falls below `min_scale`.
+        The state is three optimizer variables, saved and restored with it:
+        `loss_scale` (float32), `good_steps` and `skipped_steps` (also
+        readable as Keras's `dynamic_scale`, `step_counter` and tf.keras 2's
+        `dynamic_counter`). No host synchronisation on TensorFlow and JAX;
+        PyTorch reads one flag per step, as `torch.amp.GradScaler`.
     """
 
     def __init__(
@@ -145,22 +145,14 @@ class LossScaleOptimizer(_KerasLossScaleOptimizer):
         self.initial_scale = float(initial_scale)
         self.dynamic_growth_steps = dynamic_growth_steps
         self._grads_unscaled_by_caller = False
-        # Whether `scale_loss` ran since the last step (tf.keras 2's warning
-        # for `get_unscaled_gradients` of an unscaled loss).
-        self._loss_scaled = False
+        self._loss_scaled = False  # since the last step (tf.keras 2's warning)
         self._stateless_cache = {}  # the backend's (JAX: the step compiled once)
 
         # The state is created here, not in `build`, so that `loss_scale`
         # exists (and `scale_loss` works) before the first step.
         self._state_start = len(self._variables)
         self.loss_scale, self.good_steps, self.skipped_steps = (
-            self.add_variable(
-                shape=(),
-                dtype=dtype,
-                initializer=initializer,
-                aggregation="none",
-                name=name,
-            )
+            self.add_variable((), initializer, dtype, aggregation="none", name=name)
             for name, dtype, initializer in (
                 ("loss_scale", "float32", keras.initializers.Constant(self.initial_scale)),
                 ("good_steps", "int", "zeros"),
@@ -189,20 +181,9 @@ class LossScaleOptimizer(_KerasLossScaleOptimizer):
     dynamic_counter = property(lambda self: self.good_steps)
 
     def __setattr__(self, name, value):
-        # `lso.use_ema = True` would set the wrapper's own, unused copy:
-        # these settings belong to the inner optimizer (it sees the
-        # unscaled gradients). The base `__init__` sets their defaults.
-        if (
-            name in INNER_ONLY_ARGUMENTS
-            and "_config" in self.__dict__
-            and value != getattr(self, name, INNER_ONLY_ARGUMENTS[name])
-        ):
-            raise ValueError(
-                f"LossScaleOptimizer does not take `{name}`: set it on the "
-                f"inner optimizer ({type(self.inner_optimizer).__name__}), "
-                f"before the first step: `optimizer.inner_optimizer.{name} = "
-                f"{value!r}`. Received: {name}={value!r}"
-            )
+        # `lso.use_ema = True` would set the wrapper's own, unused copy.
+        if "_config" in self.__dict__:  # after the base `__init__` set the defaults
+            check_inner_setting(self, name, value)
         super().__setattr__(name, value)
 
     # -- building ------------------------------------------------------------
@@ -290,7 +271,6 @@ class LossScaleOptimizer(_KerasLossScaleOptimizer):
                 "You can build it via `optimizer.build(trainable_variables)`."
             )
         optimizer_variables = list(optimizer_variables)
-        trainable_variables = list(trainable_variables)
         if len(optimizer_variables) != len(self.variables):
             raise ValueError(
                 "Argument `optimizer_variables` must be a list of tensors "
@@ -304,7 +284,7 @@ class LossScaleOptimizer(_KerasLossScaleOptimizer):
             self._stateless_cache,
             optimizer_variables,
             grads,
-            trainable_variables,
+            list(trainable_variables),
         )
 
     def check_finite(self, grads):
@@ -363,14 +343,9 @@ class LossScaleOptimizer(_KerasLossScaleOptimizer):
         return {
             "name": self.name,
             "inner_optimizer": keras.saving.serialize_keras_object(self.inner_optimizer),
-            "dynamic": self._config.dynamic,
+            **dataclasses.asdict(self._config),
             "initial_scale": self.initial_scale,
             "dynamic_growth_steps": self.dynamic_growth_steps,
-            "growth_factor": self._config.growth_factor,
-            "backoff_factor": self._config.backoff_factor,
-            "min_scale": self._config.min_scale,
-            "max_scale": self._config.max_scale,
-            "skip_on_overflow": self._config.skip_on_overflow,
         }
 
     @classmethod
