@@ -110,7 +110,7 @@ def test_flags_a_layer_that_overflows_float16_and_leaves_the_model_alone():
     assert "of float16's maximum" in wide["reason"]
     assert report.keep_float32 == [r["layer"] for r in report.rows if r["keep_float32"]]
     assert not rows["conv"]["keep_float32"] and rows["conv"]["finite_in_policy"]
-    assert "Keep in float32: " in report and wide["layer"] in report
+    assert "Keep in float32: " in report.text and wide["layer"] in report.text
     # Nothing changed: weights, BatchNorm statistics.
     for b, a in zip(before, model.get_weights()):
         np.testing.assert_array_equal(b, a)
@@ -124,7 +124,7 @@ def test_healthy_model_and_bfloat16():
     assert report.current_loss_scale == 2.0**15
     assert 1.0 <= report.recommended_loss_scale <= 2.0**24
     bf16 = keras_mp.analyze(model, x, y, dtype="bfloat16", print_fn=None)
-    assert bf16.recommended_loss_scale == 1.0 and "no loss scaling needed" in bf16
+    assert bf16.recommended_loss_scale == 1.0 and "no loss scaling needed" in bf16.text
     assert all(r["underflow_current"] in (None, 0.0) for r in bf16.rows)
 
 
@@ -149,7 +149,7 @@ def test_the_table_fits_100_columns_with_long_names_and_notes():
     layer.kernel.assign(_numpy(layer.kernel) * 1e5)  # overflows float16: flagged, with a note
     x = np.random.default_rng(0).normal(size=(4, 6)).astype("float32")
     report = keras_mp.analyze(model, x, np.zeros((4, 1), "float32"), print_fn=None)
-    lines = report.splitlines()
+    lines = report.text.splitlines()
     assert max(len(line) for line in lines) <= 100
     assert any(line.startswith("    keep float32: activations reach") for line in lines)
     assert any(line.startswith("...") and "x_end (Dense)" in line for line in lines)

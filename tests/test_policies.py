@@ -232,10 +232,10 @@ def test_precision_summary_rows_and_text():
     assert rows["conv"]["variable_dtype"] == "float32"
     assert rows["probs"]["rule"] == "model output: float32"
     for name in NAMES:
-        assert name in summary
+        assert name in summary.text
     printed = []
     keras_mp.precision_summary(model, print_fn=printed.append)
-    assert printed == [summary]
+    assert printed == [summary.text] == [str(summary)] == [repr(summary)]
 
 
 @pytest.mark.parametrize(

@@ -20,6 +20,7 @@ The model itself is not changed (no weights, no BatchNorm statistics, no
 optimizer state).
 """
 
+import dataclasses
 import math
 import textwrap
 
@@ -85,10 +86,12 @@ def recommended_loss_scale(gradients, dtype="float16"):
     return float(min(max(2.0**exponent, 1.0), _MAX_RECOMMENDED_SCALE))
 
 
-class PrecisionReport(str):
-    """The doctor's table as text (print it), with the findings as data.
+@dataclasses.dataclass(frozen=True, repr=False)
+class PrecisionReport(table.Report):
+    """The doctor's table (`.text`, or print it), with the findings as data.
 
     Attributes:
+        text: the table.
         rows: one dict per layer (see `analyze`).
         dtype: the half dtype analysed against.
         current_loss_scale, recommended_loss_scale: floats.
@@ -97,13 +100,12 @@ class PrecisionReport(str):
         gradients: `{variable path: float32 NumPy array}`, for your own plots.
     """
 
-    rows = ()
-    dtype = "float16"
-    current_loss_scale = 1.0
-    recommended_loss_scale = 1.0
-    advice = ""
-    keep_float32 = ()
-    gradients = None
+    dtype: str
+    current_loss_scale: float
+    recommended_loss_scale: float
+    advice: str
+    keep_float32: list
+    gradients: dict
 
     def plot(self, path=None):
         """A histogram of gradient magnitudes against the half dtype's range.
@@ -187,8 +189,8 @@ def analyze(
             stay silent.
 
     Returns:
-        A `PrecisionReport`: the table as text, with `.rows` (one dict per
-        layer: `layer`, `class`, `compute_dtype`, `max_activation` (float32
+        A `PrecisionReport`: print it for the table (`.text`); `.rows` (one
+        dict per layer: `layer`, `class`, `compute_dtype`, `max_activation` (float32
         pass), `activation_share_of_max`, `finite_in_policy`,
         `gradient_values`, `max_gradient`, `underflow_current`,
         `underflow_recommended`, `overflow_current`, `overflow_recommended`,
@@ -273,16 +275,18 @@ def analyze(
             }
         )
 
-    report = PrecisionReport(_render(rows, half, scale, recommended, advice, all_values))
-    report.rows = rows
-    report.dtype = half
-    report.current_loss_scale = scale
-    report.recommended_loss_scale = recommended
-    report.advice = advice
-    report.keep_float32 = [r["layer"] for r in rows if r["keep_float32"]]
-    report.gradients = {v.path: by_variable[id(v)] for v in model.trainable_variables}
+    report = PrecisionReport(
+        text=_render(rows, half, scale, recommended, advice, all_values),
+        rows=rows,
+        dtype=half,
+        current_loss_scale=scale,
+        recommended_loss_scale=recommended,
+        advice=advice,
+        keep_float32=[r["layer"] for r in rows if r["keep_float32"]],
+        gradients={v.path: by_variable[id(v)] for v in model.trainable_variables},
+    )
     if print_fn is not None:
-        print_fn(report)
+        print_fn(report.text)
     return report
 
 

@@ -4,6 +4,7 @@ Every decision is an ordinary Keras dtype policy on `layer.dtype_policy`; the
 rule that set it is kept beside it (for `precision_summary`).
 """
 
+import dataclasses
 import functools
 import warnings
 
@@ -567,10 +568,9 @@ def to_float(layer_or_model, dtype):
     return layer_or_model
 
 
-class PrecisionSummary(str):
-    """The text of `precision_summary`, with the rows as data in `.rows`."""
-
-    rows = ()
+@dataclasses.dataclass(frozen=True, repr=False)
+class PrecisionSummary(table.Report):
+    """`precision_summary`'s table (`.text`, or print it) and its `.rows`."""
 
 
 def precision_summary(model, print_fn=None):
@@ -581,8 +581,8 @@ def precision_summary(model, print_fn=None):
         print_fn: optional callable given the text (e.g. `print`).
 
     Returns:
-        A `PrecisionSummary`: the table as a string (print it), with
-        `.rows`, a list of dicts with keys `layer`, `class`, `compute_dtype`,
+        A `PrecisionSummary`: print it for the table (`.text`); `.rows` is
+        a list of dicts with keys `layer`, `class`, `compute_dtype`,
         `variable_dtype`, `policy` and `rule`.
     """
     check_model(model)
@@ -602,10 +602,9 @@ def precision_summary(model, print_fn=None):
     columns = ("layer", "class", "compute_dtype", "variable_dtype", "rule")
     headers = ("Layer", "Class", "Compute", "Variables", "Rule")
     cells = [[str(r[c]) for c in columns] for r in rows]
-    summary = PrecisionSummary("\n".join(table.render(headers, cells, width=None)))
-    summary.rows = rows
+    summary = PrecisionSummary("\n".join(table.render(headers, cells, width=None)), rows)
     if print_fn is not None:
-        print_fn(summary)
+        print_fn(summary.text)
     return summary
 
 

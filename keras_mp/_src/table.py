@@ -1,8 +1,34 @@
 """The one table renderer of keras_mp's reports (`precision_summary`, `analyze`)."""
 
+import dataclasses
 import textwrap
 
 WIDTH = 100  # the reports fit this many columns where they can
+
+
+@dataclasses.dataclass(frozen=True, repr=False)
+class Report:
+    """A report's findings as data, and its table as text.
+
+    `print(report)` (or `str(report)`) gives the table; in a notebook, a cell
+    that ends with the report shows it too.
+
+    Attributes:
+        text: the table.
+        rows: one dict per layer.
+    """
+
+    text: str
+    rows: list
+
+    def __str__(self):
+        return self.text
+
+    def __repr__(self):
+        return self.text
+
+    def _repr_pretty_(self, printer, cycle):  # IPython
+        printer.text(self.text)
 
 
 def render(headers, rows, notes=None, shrink=0, width=WIDTH):
