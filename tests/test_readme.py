@@ -3,7 +3,7 @@ the example's text and train.
 
 `examples/custom_training_loop.py` holds one `train_step` per backend; the
 README shows them under `<!-- custom-loop: NAME -->` markers. The text
-must match, and the example must train on the backend this process runs,
+must match (the README shows the TensorFlow one), and the example must train on the backend this process runs,
 skipping its NaN batch with the weights left as they were.
 """
 
@@ -62,7 +62,7 @@ def _example_blocks():
 def test_readme_shows_the_examples_loops():
     readme = _readme_blocks()
     example = _example_blocks()
-    assert set(readme) == {"setup", "tensorflow", "jax", "torch"}
+    assert readme and set(readme) <= set(example)
     for name, code in readme.items():
         # The example's block may go on after the README's (driver code).
         assert example[name].startswith(code), name
