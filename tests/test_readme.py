@@ -2,9 +2,9 @@
 the example's text and train.
 
 `examples/custom_training_loop.py` holds one `train_step` per backend; the
-README shows them under `<!-- custom-loop: NAME -->` markers. The text
-must match (the README shows the TensorFlow one), and the example must train on the backend this process runs,
-skipping its NaN batch with the weights left as they were.
+README shows the TensorFlow one under a `<!-- custom-loop: NAME -->` marker.
+The text must match, and the example must train on the backend this process
+runs, skipping its NaN batch with the weights left as they were.
 """
 
 import os

@@ -9,6 +9,8 @@ copy of the model re-traced in the precision it will be served in, without
 touching the model being trained.
 """
 
+import contextlib
+import logging
 import warnings
 
 import keras
@@ -152,10 +154,27 @@ def export(
         # The model's own inputs (float32), read off the model that was
         # called; a subclassed copy rebuilt from its config has not been.
         input_signature = get_input_signature(model)
-    return copy.export(
-        filepath,
-        format=format,
-        verbose=verbose,
-        input_signature=input_signature,
-        **kwargs,
-    )
+    with _quiet_tensorflow_logs(verbose is False):
+        return copy.export(
+            filepath,
+            format=format,
+            verbose=verbose,
+            input_signature=input_signature,
+            **kwargs,
+        )
+
+
+@contextlib.contextmanager
+def _quiet_tensorflow_logs(quiet):
+    """`verbose=False` silences TensorFlow's INFO lines ("Assets written to")
+    too, which a notebook (or a program that logs at INFO) would show."""
+    if not quiet:
+        yield
+        return
+    logger = logging.getLogger("tensorflow")
+    level = logger.level
+    logger.setLevel(max(level, logging.WARNING))
+    try:
+        yield
+    finally:
+        logger.setLevel(level)

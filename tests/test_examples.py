@@ -1,0 +1,95 @@
+"""Every example runs, as a user runs it (its own process), on every backend
+it supports, with flags for a few steps; `--help` answers before Keras loads.
+
+`custom_training_loop.py` is run by `test_readme.py` (its loops are the
+README's), the notebook by `test_notebook.py`.
+"""
+
+import os
+import re
+import subprocess
+import sys
+
+import keras
+import pytest
+
+BACKEND = keras.backend.backend()
+EXAMPLES = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "examples")
+
+
+def _run(name, *args, timeout=300):
+    result = subprocess.run(
+        [sys.executable, os.path.join(EXAMPLES, name), *args],
+        env=dict(os.environ, KERAS_BACKEND=BACKEND),
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
+    assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-3000:]
+    return result
+
+
+def test_main_job_shows_the_scale_the_skip_and_both_levels():
+    result = _run("train_mixed_precision.py", "--epochs", "2", "--steps", "12")
+    out = result.stdout
+    # The scale starts at 2**24 and backs off on the first overflowing steps.
+    assert re.search(r"steps 1-\d+: +overflow: skipped, the scale halved each time", out), out
+    assert "then it held at" in out
+    # The corrupted batch: skipped, one more skipped step, nothing changed.
+    assert re.search(r"the \d+ variables \(.*\): unchanged, bit for bit", out), out
+    assert "CHANGED" not in out
+    rows = {m[0]: m for m in re.findall(r"^(O[02] \w+) +([\d.]+) +([\d.]+) ms +(\S+)$", out, re.M)}
+    assert set(rows) == {"O0 float32", "O2 float16"}, out
+    assert rows["O0 float32"][3] == "-" and float(rows["O2 float16"][3]) >= 1
+    assert "absl::InitializeLog" not in result.stderr and "I0000" not in result.stderr
+
+
+def test_main_job_in_bfloat16_needs_no_scale():
+    out = _run("train_mixed_precision.py", "--dtype", "bfloat16", "--epochs", "1", "--steps", "4")
+    assert re.search(r"^O2 bfloat16 .* -$", out.stdout, re.M), out.stdout
+
+
+def test_lenet5_runs_each_scale_setting_on_real_data():
+    out = _run("lenet5_amp.py", "--epochs", "1", "--steps", "6", "--levels", "O0", "O2").stdout
+    rows = re.findall(r"^(O[0-3]) +(.+?) +([\d.]+) +(\S+) +(\S+) +[\d.]+ ms$", out, re.M)
+    assert [(level, setting) for level, setting, *_ in rows] == [
+        ("O0", "no scaling"),
+        ("O2", "fixed 1024, skip"),
+        ("O2", "fixed 1024, no skip"),
+        ("O2", "dynamic x4 / 3000"),
+    ], out
+    assert rows[0][3:] == ("-", "-")  # O0: no loss scale
+    assert [r[3] for r in rows[1:]] == ["1024", "1024", "32768"]
+    assert "digits upscaled to 32x32" in out
+
+
+@pytest.mark.parametrize("name", ["train_mixed_precision.py", "lenet5_amp.py"])
+def test_help_describes_every_option_before_keras_loads(name):
+    code = (
+        "import runpy, sys\n"
+        f"sys.argv = [{name!r}, '--help']\n"
+        "try:\n"
+        f"    runpy.run_path({os.path.join(EXAMPLES, name)!r}, run_name='__main__')\n"
+        "except SystemExit:\n"
+        "    pass\n"
+        "print('keras imported' if 'keras' in sys.modules else 'keras not imported')\n"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, timeout=60
+    ).stdout
+    assert out.rstrip().endswith("keras not imported"), out
+    listing = out.split("options:", 1)[1]
+    blocks = re.split(r"\n  (?=-)", listing)[1:]  # one per option
+    names = [re.match(r"(-h, )?(--[\w-]+)", b).group(2) for b in blocks]
+    assert "--steps" in names and "--epochs" in names, names
+    for name, block in zip(names, blocks):
+        if name != "--help":
+            # Each option has a description and says its default.
+            assert "(default:" in block, (name, block)
+
+
+@pytest.mark.skipif(BACKEND == "torch", reason="Keras exports SavedModels from TensorFlow or JAX")
+def test_export_example_runs(tmp_path):
+    result = _run("export_savedmodel.py", "--out", str(tmp_path), "--epochs", "1")
+    assert result.stdout.count("predicted classes:") == 2
+    assert os.path.exists(tmp_path / "model.keras")
