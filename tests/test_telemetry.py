@@ -98,6 +98,67 @@ def test_logs_follow_the_state_machine_step_by_step(amp_level):
     assert np.all(np.isfinite(history.history["loss"])) == (amp_level is not None)
 
 
+@pytest.mark.parametrize("amp_level", ["O2", None])
+def test_epoch_logs_without_batch_callbacks_hold_the_optimizer_state(amp_level):
+    """`verbose=0` and no batch hooks: the step does not return the values;
+    each epoch's logs still carry them, read from the optimizer."""
+    model = _model(amp_level=amp_level)
+    x, y = _data()
+    history = model.fit(x, y, batch_size=BATCH, epochs=2, shuffle=False, verbose=0)
+    expected = _reference_trace(epochs=2)
+    assert history.history["loss_scale"] == [expected[STEPS - 1][0], expected[-1][0]]
+    assert history.history["skipped_steps"] == [expected[STEPS - 1][1], expected[-1][1]]
+    assert np.all(np.isfinite(history.history["loss"])) == (amp_level is not None)
+    # Then a batch callback: the values are in each step's logs again.
+    recorder = _BatchLogs()
+    model.fit(x, y, batch_size=BATCH, epochs=1, shuffle=False, verbose=0, callbacks=[recorder])
+    assert len(recorder.batches) == STEPS
+    assert recorder.batches[-1] == (_value(model.optimizer.loss_scale), 6)
+
+
+@pytest.mark.perf
+@pytest.mark.skipif(BACKEND != "torch", reason="counts PyTorch host reads")
+def test_fit_reads_no_telemetry_per_step_unless_asked(monkeypatch):
+    """The telemetry costs a step nothing: `fit(verbose=0)` brings as many
+    values to the host as Keras's own mixed policy with its built-in
+    LossScaleOptimizer; with a batch hook, two more per step."""
+    import torch
+
+    x, y = _data(nan_steps=())
+    reads = []
+    for name in ("__array__", "numpy", "item", "__bool__", "__float__", "__int__", "tolist"):
+        original = getattr(torch.Tensor, name)
+
+        def counting(self, *args, _original=original, _name=name, **kwargs):
+            reads.append(_name)
+            return _original(self, *args, **kwargs)
+
+        monkeypatch.setattr(torch.Tensor, name, counting)
+
+    def reads_of_one_epoch(model, callbacks=()):
+        model.fit(x, y, batch_size=BATCH, epochs=1, verbose=0, callbacks=list(callbacks))
+        reads.clear()
+        model.fit(x, y, batch_size=BATCH, epochs=1, verbose=0, callbacks=list(callbacks))
+        return len(reads)
+
+    keras_mp_model = _model()
+    keras.config.set_dtype_policy("mixed_float16")
+    try:
+        keras_model = _model(
+            optimizer=keras.optimizers.LossScaleOptimizer(keras.optimizers.SGD(1e-2)),
+            amp_level=None,
+        )
+    finally:
+        keras.config.set_dtype_policy("float32")
+    baseline = reads_of_one_epoch(keras_model)
+    assert reads_of_one_epoch(keras_mp_model) <= baseline
+    def hook():
+        return keras.callbacks.LambdaCallback(on_train_batch_end=lambda batch, logs: None)
+
+    asked = reads_of_one_epoch(keras_mp_model, [hook()])
+    assert asked >= reads_of_one_epoch(keras_model, [hook()]) + 2 * STEPS
+
+
 @pytest.mark.parametrize("verbose", [1, 2])
 def test_progress_bar_shows_the_loss_scale_and_the_count_as_whole_numbers(capsys, verbose):
     model = _model()

@@ -203,3 +203,22 @@ class ProgbarLogger(keras.callbacks.ProgbarLogger):
 
 
 WHOLE_KEYS = ("loss_scale", "skipped_steps")
+
+
+class EpochTelemetry(keras.callbacks.Callback):
+    """Adds `loss_scale` and `skipped_steps` to each epoch's logs.
+
+    `fit` puts it first in the callbacks (so that `History`, the progress bar
+    and the caller's callbacks see the values) when no callback reads each
+    batch's logs, and the step does not return them: the optimizer's
+    variables are read once an epoch (on JAX, after Keras's own state sync).
+    """
+
+    async_safe = True
+
+    def on_epoch_end(self, epoch, logs=None):
+        optimizer = getattr(self.model, "optimizer", None)
+        if logs is None or "loss_scale" in logs or not hasattr(optimizer, "skipped_steps"):
+            return
+        logs["loss_scale"] = float(_value(optimizer.loss_scale))
+        logs["skipped_steps"] = float(_value(optimizer.skipped_steps))

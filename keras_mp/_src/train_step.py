@@ -4,10 +4,14 @@ telemetry in the logs, and restoring the model's state on a skipped step.
 Two additions to Keras's own step, both computed on the device (no value is
 brought to the host):
 
-- Telemetry: the step's logs carry the optimizer's `loss_scale` and
-  `skipped_steps` after the step, so they appear in `fit`'s progress bar, in
-  `History` and in `keras.callbacks.TensorBoard`. They are device values like
-  the loss; Keras brings them to the host when it brings the loss.
+- Telemetry: `fit`'s logs carry the optimizer's `loss_scale` and
+  `skipped_steps`, so they appear in the progress bar, in `History` and in
+  `keras.callbacks.TensorBoard`. Each value in a step's logs is brought to
+  the host after every step, so the step returns them only where something
+  reads each batch's logs (the live progress bar, `verbose=1`, or a callback
+  with batch hooks, such as `OverflowGuard`); otherwise `fit` adds them to
+  each epoch's logs, read from the optimizer's variables once an epoch.
+  Outside `fit` (`train_on_batch`) the step returns them.
 - The BatchNorm guard (under `compile(amp_level=...)`): a batch with a NaN in
   it also writes NaN into BatchNorm's moving mean and variance during the
   forward pass, before any gradient exists. The non-trainable variables are
@@ -26,7 +30,22 @@ from keras import ops
 from keras_mp._src import backends
 
 _ORIGINAL = "_keras_mp_original_train_step"
+_BATCH_TELEMETRY = "_keras_mp_batch_telemetry"
+_GUARD = "_keras_mp_guard"
 TELEMETRY_KEYS = ("loss_scale", "skipped_steps")
+
+
+def _batch_telemetry(model):
+    """Whether the traced step puts the telemetry in its logs (see above)."""
+    return model.__dict__.get(_BATCH_TELEMETRY, True)
+
+
+def _set_batch_telemetry(model, on):
+    if _batch_telemetry(model) != on:
+        object.__setattr__(model, _BATCH_TELEMETRY, on)
+        # A new step function, traced again with or without them (JAX
+        # caches a trace per function object).
+        guard_train_step(model, guard=model.__dict__[_GUARD])
 
 
 def guard_train_step(model, guard=True):
@@ -51,43 +70,67 @@ def guard_train_step(model, guard=True):
         return
     guard = guard and optimizer.config.checks_finite
     if backends.current.STATELESS:
-        train_step = _stateless_train_step(original, optimizer, guard)
+        train_step = _stateless_train_step(original, model, optimizer, guard)
     else:
         train_step = _stateful_train_step(original, model, optimizer, guard)
     object.__setattr__(model, _ORIGINAL, original)
+    object.__setattr__(model, _GUARD, guard)
     object.__setattr__(model, "train_step", train_step)
     if "fit" not in model.__dict__:
-        object.__setattr__(model, "fit", _fit_with_count_display(model.fit))
+        object.__setattr__(model, "fit", _fit_with_telemetry(model, model.fit))
     # Keras caches the compiled step; make it trace the wrapped one.
     model.train_function = None
 
 
-def _fit_with_count_display(fit):
-    """`fit`, whose progress bar shows `skipped_steps` as an integer.
+def _fit_with_telemetry(model, fit):
+    """`fit`, with the telemetry in its logs at no cost per step.
 
-    Keras's bar prints every log value as a float (`0.0000e+00`); unless the
-    caller passes a `ProgbarLogger` of their own, keras_mp's (the same bar,
-    counts as integers) takes its place. Nothing else about `fit` changes.
+    - The step returns `loss_scale` and `skipped_steps` only if a callback
+      reads each batch's logs (see the module docstring); else an
+      `EpochTelemetry` callback, first in the list, adds them to each
+      epoch's logs.
+    - Keras's bar prints every log value as a float (`0.0000e+00`); unless
+      the caller passes a `ProgbarLogger` of their own, keras_mp's (the same
+      bar, counts as integers) takes its place.
+
+    Nothing else about `fit` changes.
     """
+    from keras_mp._src.callbacks import EpochTelemetry
     from keras_mp._src.callbacks import ProgbarLogger
 
     signature = inspect.signature(fit)
 
     @functools.wraps(fit)
-    def fit_with_count_display(*args, **kwargs):
+    def fit_with_telemetry(*args, **kwargs):
         try:
             bound = signature.bind(*args, **kwargs)
         except TypeError:
             return fit(*args, **kwargs)  # Keras's own error
         callbacks = bound.arguments.get("callbacks")
         verbose = bound.arguments.get("verbose", "auto")
-        if verbose != 0 and not isinstance(callbacks, keras.callbacks.CallbackList):
-            callbacks = list(keras.tree.flatten(callbacks)) if callbacks else []
-            if not any(isinstance(c, keras.callbacks.ProgbarLogger) for c in callbacks):
-                bound.arguments["callbacks"] = callbacks + [ProgbarLogger()]
+        if isinstance(callbacks, keras.callbacks.CallbackList):
+            _set_batch_telemetry(model, True)  # the caller's own list, as it is
+            return fit(*bound.args, **bound.kwargs)
+        callbacks = list(keras.tree.flatten(callbacks)) if callbacks else []
+        own_bar = any(isinstance(c, keras.callbacks.ProgbarLogger) for c in callbacks)
+        if verbose != 0 and not own_bar:
+            callbacks.append(ProgbarLogger())
+        live_bar = verbose in (1, "auto")  # Keras's "auto" is 1 in `fit`
+        _set_batch_telemetry(model, live_bar or any(_reads_batch_logs(c) for c in callbacks))
+        bound.arguments["callbacks"] = [EpochTelemetry()] + callbacks
         return fit(*bound.args, **bound.kwargs)
 
-    return fit_with_count_display
+    return fit_with_telemetry
+
+
+def _reads_batch_logs(callback):
+    """Whether a callback looks at each training batch's logs."""
+    if isinstance(callback, keras.callbacks.ProgbarLogger):
+        return False  # it follows `fit`'s `verbose`
+    return not all(
+        getattr(getattr(callback, hook), "_is_default", False)
+        for hook in ("on_train_batch_end", "on_batch_end")
+    )
 
 
 def _with_telemetry(logs, loss_scale, skipped_steps):
@@ -113,6 +156,8 @@ def _stateful_train_step(original, model, optimizer, guard):
             skipped = ops.not_equal(optimizer.skipped_steps.value, skipped_before)
             for variable, old in zip(variables, before):
                 variable.assign(ops.where(skipped, old, variable.value))
+        if not _batch_telemetry(model):
+            return logs
         return _with_telemetry(
             logs,
             backends.current.log_value(optimizer.loss_scale),
@@ -122,7 +167,7 @@ def _stateful_train_step(original, model, optimizer, guard):
     return train_step
 
 
-def _stateless_train_step(original, optimizer, guard):
+def _stateless_train_step(original, model, optimizer, guard):
     def train_step(state, data):
         ids = [id(v) for v in optimizer.variables]
         scale_at = ids.index(id(optimizer.loss_scale))
@@ -136,7 +181,8 @@ def _stateless_train_step(original, optimizer, guard):
                 ops.where(skipped, old, new) for old, new in zip(old_non_trainable, non_trainable)
             ]
             metrics = [ops.where(skipped, old, new) for old, new in zip(state[3], metrics)]
-        logs = _with_telemetry(logs, optimizer_values[scale_at], optimizer_values[skipped_at])
+        if _batch_telemetry(model):
+            logs = _with_telemetry(logs, optimizer_values[scale_at], optimizer_values[skipped_at])
         return logs, (trainable, non_trainable, optimizer_values, metrics)
 
     return train_step
