@@ -19,6 +19,7 @@ mlp_large transformer_large`, for a GPU only: minutes a step on a CPU).
 """
 
 import argparse
+import functools
 import os
 import statistics
 import subprocess
@@ -30,7 +31,7 @@ from lso_overhead import _steady_state_timer
 
 BACKENDS = ("tensorflow", "jax", "torch")
 MODELS = ("mlp", "cnn_bn", "transformer")
-GPU_MODELS = ("mlp_large", "transformer_large")
+GPU_MODELS = ("mlp_large", "transformer_large", "cnn_large")
 CONFIGS = (
     "O0",
     "O1 float16",
@@ -59,6 +60,10 @@ def _build(keras, name):
                 layers.Dense(10, activation="softmax"),
             ]
         ), (features,)
+    if name == "cnn_large":
+        # keras.applications' ResNet50, random weights (nothing downloaded).
+        shape = (128, 128, 3)
+        return keras.applications.ResNet50(weights=None, input_shape=shape, classes=10), shape
     if name == "cnn_bn":
         return keras.Sequential(
             [
@@ -87,29 +92,30 @@ def _build(keras, name):
     return keras.Model(inputs, outputs), (tokens, features)
 
 
-def _compiled(keras, keras_mp, model_name, config):
+def _compiled(keras, keras_mp, model_name, config, jit_compile="auto"):
     keras.utils.set_random_seed(0)
     optimizer = keras.optimizers.Adam(1e-3)
     loss = "sparse_categorical_crossentropy"
+    compile = functools.partial(keras.Model.compile, jit_compile=jit_compile)
     if config.startswith("keras "):
         keras.config.set_dtype_policy(config.split()[1])
         model, shape = _build(keras, model_name)
         keras.config.set_dtype_policy("float32")
-        model.compile(optimizer=optimizer, loss=loss)  # Keras wraps float16 itself
+        compile(model, optimizer=optimizer, loss=loss)  # Keras wraps float16 itself
         return model, shape
     model, shape = _build(keras, model_name)
     if config == "O0":
-        model.compile(optimizer=optimizer, loss=loss, amp_level="O0")
+        compile(model, optimizer=optimizer, loss=loss, amp_level="O0")
     elif config.endswith("no guard"):
         keras_mp.apply_amp(model, "O2", "float16")
-        model.compile(optimizer=keras_mp.LossScaleOptimizer(optimizer), loss=loss)
+        compile(model, optimizer=keras_mp.LossScaleOptimizer(optimizer), loss=loss)
     else:
         level, dtype = config.split()
-        model.compile(optimizer=optimizer, loss=loss, amp_level=level, amp_dtype=dtype)
+        compile(model, optimizer=optimizer, loss=loss, amp_level=level, amp_dtype=dtype)
     return model, shape
 
 
-def run_one_backend(rounds, batch, model_names, configs=CONFIGS):
+def run_one_backend(rounds, batch, model_names, configs=CONFIGS, jit_compile="auto"):
     import keras
     import numpy as np
 
@@ -120,7 +126,7 @@ def run_one_backend(rounds, batch, model_names, configs=CONFIGS):
     for model_name in model_names:
         models, data, unsupported = {}, {}, {}
         for config in configs:
-            model, shape = _compiled(keras, keras_mp, model_name, config)
+            model, shape = _compiled(keras, keras_mp, model_name, config, jit_compile)
             try:
                 steps = _calibrated_steps(keras, model, shape, batch, 40, rng, budget_s=0.3)
             except Exception as e:  # e.g. float16 attention on JAX's CPU backend
@@ -192,7 +198,14 @@ def main():
         metavar="CONFIG",
         help="a subset of: " + ", ".join(repr(c) for c in CONFIGS) + " (O0 is always run)",
     )
+    parser.add_argument(
+        "--jit-compile",
+        default="auto",
+        choices=["auto", "true", "false"],
+        help="`compile(jit_compile=...)`: XLA on or off (TensorFlow: compare both)",
+    )
     args = parser.parse_args()
+    jit_compile = {"auto": "auto", "true": True, "false": False}[args.jit_compile]
     if args.all:
         print(HEADER)
         for backend in args.backends:
@@ -208,6 +221,8 @@ def main():
                     *args.models,
                     "--configs",
                     *args.configs,
+                    "--jit-compile",
+                    args.jit_compile,
                 ],
                 env=dict(os.environ, KERAS_BACKEND=backend),
                 capture_output=True,
@@ -221,7 +236,7 @@ def main():
         return
     print(HEADER)
     configs = tuple(c for c in CONFIGS if c == "O0" or c in args.configs)
-    for r in run_one_backend(args.rounds, args.batch, args.models, configs):
+    for r in run_one_backend(args.rounds, args.batch, args.models, configs, jit_compile):
         if r[3] is None:
             print(f"| {r[0]} | {r[1]} | {r[2]} | unsupported | {r[4]} |", flush=True)
         else:

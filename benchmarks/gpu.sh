@@ -13,6 +13,9 @@
 #   overhead   lso_overhead.py: keras_mp's optimizer over plain and over Keras's
 #   forms      jax_skip_forms.py: ways of writing the skip, in plain JAX
 #   levels     amp_levels.py on the GPU-sized models (O0-O3, Keras's policies)
+#   tf_levels  TensorFlow only: every level, float16 and bfloat16, XLA on and off,
+#              on ResNet50 and the transformer (needs TensorFlow's GPU build:
+#              ../shared/tools/tf-gpu-kit, then `. /tmp/tfgpu/env.sh`)
 #
 # Environment:
 #   BACKENDS   the Keras backends to use (default: "jax torch", plus
@@ -112,11 +115,27 @@ levels() {
     done
 }
 
+# TensorFlow on the GPU (issue 27): every level in float16 and bfloat16 against
+# Keras's policies, with XLA and without, on ResNet50 and the transformer.
+TF_LEVELS=(O0 "O1 float16" "O2 float16" "O3 float16" "O1 bfloat16" "O2 bfloat16" "O3 bfloat16"
+    "keras mixed_float16" "keras mixed_bfloat16")
+tf_levels() {
+    has tensorflow || { echo "tf_levels: TensorFlow sees no GPU"; return 0; }
+    for jit in true false; do
+        step 300 "tf_levels_transformer_xla_$jit" env KERAS_BACKEND=tensorflow python3 \
+            amp_levels.py --models transformer_large --batch 64 --rounds 5 --jit-compile $jit \
+            --configs "${TF_LEVELS[@]}"
+        step 300 "tf_levels_resnet50_xla_$jit" env KERAS_BACKEND=tensorflow python3 \
+            amp_levels.py --models cnn_large --batch 64 --rounds 3 --jit-compile $jit \
+            --configs "${TF_LEVELS[@]}"
+    done
+}
+
 PARTS=("$@")
-[ ${#PARTS[@]} -gt 0 ] || PARTS=(sanity tests overhead forms levels)
+[ ${#PARTS[@]} -gt 0 ] || PARTS=(sanity tests overhead forms levels tf_levels)
 for part in "${PARTS[@]}"; do
     case $part in
-        sanity|tests|overhead|forms|levels) $part ;;
-        *) echo "unknown part: $part (sanity, tests, overhead, forms, levels)"; exit 2 ;;
+        sanity|tests|overhead|forms|levels|tf_levels) $part ;;
+        *) echo "unknown part: $part (sanity, tests, overhead, forms, levels, tf_levels)"; exit 2 ;;
     esac
 done
