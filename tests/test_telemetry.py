@@ -152,6 +152,7 @@ def test_fit_reads_no_telemetry_per_step_unless_asked(monkeypatch):
         keras.config.set_dtype_policy("float32")
     baseline = reads_of_one_epoch(keras_model)
     assert reads_of_one_epoch(keras_mp_model) <= baseline
+
     def hook():
         return keras.callbacks.LambdaCallback(on_train_batch_end=lambda batch, logs: None)
 
