@@ -1,5 +1,8 @@
-"""Every example runs, as a user runs it (its own process), on every backend
-it supports, with flags for a few steps; `--help` answers before Keras loads.
+"""Every example runs on every backend it supports, with flags for a few
+steps; `--help` answers before Keras loads. The main job also runs as a user
+runs it (its own process: no TensorFlow start-up lines); the others run in
+this process through their `main`, which saves an import of every framework
+per example.
 
 `custom_training_loop.py` is run by `test_readme.py` (its loops are the
 README's), the notebook by `test_notebook.py`.
@@ -7,6 +10,7 @@ README's), the notebook by `test_notebook.py`.
 
 import os
 import re
+import runpy
 import subprocess
 import sys
 
@@ -29,9 +33,15 @@ def _run(name, *args, timeout=300):
     return result
 
 
-def test_main_job_shows_the_scale_the_skip_and_both_levels():
-    result = _run("train_mixed_precision.py", "--epochs", "2", "--steps", "12")
-    out = result.stdout
+def _main(name, capsys, *args):
+    """Runs the example's `main(args)` here; returns what it printed."""
+    example = runpy.run_path(os.path.join(EXAMPLES, name), run_name=f"example_{name[:-3]}")
+    example["main"](list(args))
+    return capsys.readouterr().out
+
+
+def test_main_job_shows_the_scale_the_skip_and_both_levels(capsys):
+    out = _main("train_mixed_precision.py", capsys, "--epochs", "2", "--steps", "12")
     # The scale starts at 2**24 and backs off on the first overflowing steps.
     assert re.search(r"steps 1-\d+: +overflow: skipped, the scale halved each time", out), out
     assert "then it held at" in out
@@ -41,16 +51,19 @@ def test_main_job_shows_the_scale_the_skip_and_both_levels():
     rows = {m[0]: m for m in re.findall(r"^(O[02] \w+) +([\d.]+) +([\d.]+) ms +(\S+)$", out, re.M)}
     assert set(rows) == {"O0 float32", "O2 float16"}, out
     assert rows["O0 float32"][3] == "-" and float(rows["O2 float16"][3]) >= 1
+
+
+@pytest.mark.skipif(BACKEND != "tensorflow", reason="once, on the main backend")
+def test_main_job_as_a_user_runs_it_in_bfloat16_and_quiet():
+    result = _run(
+        "train_mixed_precision.py", "--dtype", "bfloat16", "--epochs", "1", "--steps", "4"
+    )
+    assert re.search(r"^O2 bfloat16 .* -$", result.stdout, re.M), result.stdout
     assert "absl::InitializeLog" not in result.stderr and "I0000" not in result.stderr
 
 
-def test_main_job_in_bfloat16_needs_no_scale():
-    out = _run("train_mixed_precision.py", "--dtype", "bfloat16", "--epochs", "1", "--steps", "4")
-    assert re.search(r"^O2 bfloat16 .* -$", out.stdout, re.M), out.stdout
-
-
-def test_lenet5_runs_each_scale_setting_on_real_data():
-    out = _run("lenet5_amp.py", "--epochs", "1", "--steps", "6", "--levels", "O0", "O2").stdout
+def test_lenet5_runs_each_scale_setting_on_real_data(capsys):
+    out = _main("lenet5_amp.py", capsys, "--epochs", "1", "--steps", "4", "--levels", "O0", "O2")
     rows = re.findall(r"^(O[0-3]) +(.+?) +([\d.]+) +(\S+) +(\S+) +[\d.]+ ms$", out, re.M)
     assert [(level, setting) for level, setting, *_ in rows] == [
         ("O0", "no scaling"),
