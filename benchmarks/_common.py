@@ -76,7 +76,9 @@ def print_ratio_table(times, base="plain"):
 
 
 def without_telemetry(model):
-    """Gives a compiled model back Keras's own train step: keras_mp's step
-    without `loss_scale` and `skipped_steps` in the logs."""
+    """Gives a compiled model back Keras's own train step and `fit`: no
+    `loss_scale`/`skipped_steps` in any logs, nothing of keras_mp's around the
+    step (its optimizer still runs inside)."""
     model.__dict__.pop("train_step", None)
+    model.__dict__.pop("fit", None)
     model.train_function = None
