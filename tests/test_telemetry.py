@@ -114,6 +114,10 @@ def test_epoch_logs_without_batch_callbacks_hold_the_optimizer_state(amp_level):
     model.fit(x, y, batch_size=BATCH, epochs=1, shuffle=False, verbose=0, callbacks=[recorder])
     assert len(recorder.batches) == STEPS
     assert recorder.batches[-1] == (_value(model.optimizer.loss_scale), 6)
+    # `train_on_batch` after a `fit(verbose=0)`: its logs carry them too.
+    model.fit(x, y, batch_size=BATCH, epochs=1, verbose=0)
+    logs = model.train_on_batch(x[:BATCH], y[:BATCH], return_dict=True)
+    assert logs["skipped_steps"] == 8 and logs["loss_scale"] == _value(model.optimizer.loss_scale)
 
 
 @pytest.mark.perf

@@ -66,6 +66,7 @@ def guard_train_step(model, guard=True):
             model.__dict__.pop("train_step", None)
             model.__dict__.pop(_ORIGINAL, None)
             model.__dict__.pop("fit", None)
+            model.__dict__.pop("train_on_batch", None)
             model.train_function = None
         return
     guard = guard and optimizer.config.checks_finite
@@ -78,6 +79,9 @@ def guard_train_step(model, guard=True):
     object.__setattr__(model, "train_step", train_step)
     if "fit" not in model.__dict__:
         object.__setattr__(model, "fit", _fit_with_telemetry(model, model.fit))
+        object.__setattr__(
+            model, "train_on_batch", _train_on_batch_with_telemetry(model, model.train_on_batch)
+        )
     # Keras caches the compiled step; make it trace the wrapped one.
     model.train_function = None
 
@@ -121,6 +125,18 @@ def _fit_with_telemetry(model, fit):
         return fit(*bound.args, **bound.kwargs)
 
     return fit_with_telemetry
+
+
+def _train_on_batch_with_telemetry(model, train_on_batch):
+    """`train_on_batch`, whose logs always carry the telemetry (its caller
+    reads them), also after a `fit` that traced the step without it."""
+
+    @functools.wraps(train_on_batch)
+    def train_on_batch_with_telemetry(*args, **kwargs):
+        _set_batch_telemetry(model, True)
+        return train_on_batch(*args, **kwargs)
+
+    return train_on_batch_with_telemetry
 
 
 def _reads_batch_logs(callback):
