@@ -41,15 +41,16 @@ ADAM_FAMILY = ("adamw_global_clipnorm_ema_schedule", "adam_clipvalue_ema_overwri
 CELLS = [("O1", "bfloat16"), ("O2", "float16"), ("O3", "float16"), ("O3", "bfloat16")]
 # Bounds on the cosine similarity of all weight updates against float32's,
 # and on their norms' ratio. O1/O2 keep float32 variables: the same updates.
-# O3 rounds each updated weight to half: in bfloat16 (8 bits) an update
-# smaller than half a weight's spacing is lost, so Adam's early steps of
-# about lr per weight keep only part of their length and direction (the
-# stagnation that float32 master weights exist to prevent).
+# O3 updates float32 master copies and rounds them to half: the updates are
+# float32's, rounded, the initial weights' rounding to half included (in
+# bfloat16 that rounding is most of what the EMA cell's few small steps
+# measure: 0.90 with master weights; without them the Adam cells fall to
+# 0.62-0.76).
 BOUNDS = {
     "O1": (0.99, 0.95),
     "O2": (0.99, 0.95),
-    "O3-float16": (0.95, 0.9),
-    "O3-bfloat16": (0.5, 0.6),
+    "O3-float16": (0.99, 0.95),
+    "O3-bfloat16": (0.9, 0.9),
 }
 
 
@@ -73,7 +74,7 @@ def _model():
     )
 
 
-def _updates(name, level="O0", half="float16"):
+def _updates(name, level="O0", half="float16", **amp):
     model = _model()
     before = [
         np.asarray(keras.ops.convert_to_numpy(v), "float64") for v in model.trainable_variables
@@ -84,6 +85,7 @@ def _updates(name, level="O0", half="float16"):
         amp_level=level,
         amp_dtype=half,
         keep_batchnorm_fp32=True if level == "O3" else None,
+        **amp,
     )
     x, y = _data()
     history = model.fit(x, y, batch_size=BATCH, epochs=1, shuffle=False, verbose=0)
@@ -105,8 +107,6 @@ def _reference(name):
 def _cases():
     for name in OPTIMIZERS:
         for level, half in CELLS:
-            if name in ADAM_FAMILY and (level, half) == ("O3", "bfloat16"):
-                continue  # test_adam_moves_bfloat16_weights_at_o3 (a known defect)
             yield pytest.param(name, level, half, id=f"{name}-{level}-{half}")
 
 
@@ -128,19 +128,23 @@ def test_optimizer_feature_at_level(name, level, half):
     assert min_ratio <= ratio <= 1 / min_ratio, ratio
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="Keras's Adam computes its bias correction in the variable's dtype: "
-    "in bfloat16 beta_2=0.999 rounds to 1 and every update of a bfloat16 "
-    "weight is 0 (Keras's own bfloat16 policy alike); float32 master "
-    "weights will fix it",
-)
-def test_adam_moves_bfloat16_weights_at_o3():
+@pytest.mark.parametrize("master_weights", [True, False])
+def test_adam_moves_bfloat16_weights_at_o3(master_weights):
+    """Without master weights, Keras's Adam cannot move a bfloat16 weight.
+
+    It computes its bias correction in the variable's dtype: in bfloat16
+    beta_2=0.999 rounds to 1 and every update is 0 (Keras's own bfloat16
+    policy alike). The float32 copies are what makes O3 bfloat16 learn.
+    """
     name = "adam"
     OPTIMIZERS[name] = lambda: keras.optimizers.Adam(1e-2, epsilon=1e-3)
-    model, _, updates = _updates(name, "O3", "bfloat16")
+    model, _, updates = _updates(name, "O3", "bfloat16", master_weights=master_weights)
     half = np.concatenate(
         [np.ones(v.shape).ravel() * (v.dtype == "bfloat16") for v in model.trainable_variables]
     ).astype(bool)
     reference = _reference(name)
-    assert np.linalg.norm(updates[half]) >= 0.5 * np.linalg.norm(reference[half])
+    moved = np.linalg.norm(updates[half]) / np.linalg.norm(reference[half])
+    if master_weights:
+        assert 0.9 <= moved <= 1.1, moved
+    else:
+        assert moved < 0.1, moved  # the documented reason for master weights

@@ -1,7 +1,7 @@
 """`compile(amp_level=...)`: one keyword for mixed precision.
 
-`import keras_mp` adds `amp_level`, `amp_dtype`, `loss_scale` and
-`keep_batchnorm_fp32` to `keras.Model.compile`. Without them, `compile` is
+`import keras_mp` adds `amp_level`, `amp_dtype`, `loss_scale`,
+`keep_batchnorm_fp32` and `master_weights` to `keras.Model.compile`. Without them, `compile` is
 Keras's own, called with exactly the arguments it was given.
 """
 
@@ -25,7 +25,7 @@ from keras_mp._src.loss_scale_optimizer import LossScaleOptimizer
 from keras_mp._src.policies import apply_amp
 from keras_mp._src.train_step import guard_train_step
 
-AMP_ARGUMENTS = ("amp_level", "amp_dtype", "loss_scale", "keep_batchnorm_fp32")
+AMP_ARGUMENTS = ("amp_level", "amp_dtype", "loss_scale", "keep_batchnorm_fp32", "master_weights")
 _DEFAULT = "default"
 
 _keras_compile = Trainer.compile
@@ -81,7 +81,7 @@ def _cpu_flags():
     return set()
 
 
-def _check_amp_arguments(amp_level, amp_dtype, loss_scale, keep_batchnorm_fp32):
+def _check_amp_arguments(amp_level, amp_dtype, loss_scale, keep_batchnorm_fp32, master_weights):
     if amp_level != "auto":
         get_level(amp_level, "amp_level", also=("auto",))
     if amp_dtype is not _DEFAULT:
@@ -106,11 +106,22 @@ def _check_amp_arguments(amp_level, amp_dtype, loss_scale, keep_batchnorm_fp32):
             "`keep_batchnorm_fp32` must be True, False or None. "
             f"Received: keep_batchnorm_fp32={keep_batchnorm_fp32!r}"
         )
+    if master_weights is not None and not isinstance(master_weights, bool):
+        raise TypeError(
+            "`master_weights` must be True, False or None (True). "
+            f"Received: master_weights={master_weights!r}"
+        )
 
 
-def resolve_amp(amp_level, amp_dtype=_DEFAULT, loss_scale=_DEFAULT, keep_batchnorm_fp32=None):
+def resolve_amp(
+    amp_level,
+    amp_dtype=_DEFAULT,
+    loss_scale=_DEFAULT,
+    keep_batchnorm_fp32=None,
+    master_weights=None,
+):
     """Validated, explicit amp settings: (level, dtype, loss_scale, keep_bn)."""
-    _check_amp_arguments(amp_level, amp_dtype, loss_scale, keep_batchnorm_fp32)
+    _check_amp_arguments(amp_level, amp_dtype, loss_scale, keep_batchnorm_fp32, master_weights)
     if amp_level == "auto":
         level, auto_dtype, reason = pick_auto_level()
         dtype = auto_dtype if amp_dtype is _DEFAULT else amp_dtype
@@ -130,31 +141,55 @@ def resolve_amp(amp_level, amp_dtype=_DEFAULT, loss_scale=_DEFAULT, keep_batchno
     return level, dtype, loss_scale, keep_batchnorm_fp32
 
 
-def _wrap_optimizer(optimizer, loss_scale):
-    if isinstance(optimizer, LossScaleOptimizer):
-        return optimizer  # an explicit LossScaleOptimizer is kept as given
+def _wrap_optimizer(optimizer, loss_scale, half_variables, master_weights):
+    """The optimizer `compile` trains with, under the amp settings.
+
+    `master_weights` (None: True) matters where the level makes variables half
+    (`half_variables`, O3): without a loss scale, the optimizer is wrapped all
+    the same, in a fixed scale of 1, for the float32 copies (and the skip of a
+    non-finite step that comes with the wrapper).
+    """
+    masters = master_weights is not False
     if isinstance(optimizer, keras.optimizers.LossScaleOptimizer):
-        return _from_keras_loss_scale_optimizer(optimizer)
-    if loss_scale is None:
+        if isinstance(optimizer, LossScaleOptimizer):
+            converted = optimizer  # an explicit LossScaleOptimizer is kept as given
+        else:
+            converted = _from_keras_loss_scale_optimizer(optimizer, masters)
+        if master_weights is not None and converted.master_weights != master_weights:
+            raise ValueError(
+                "`master_weights` and the LossScaleOptimizer passed as "
+                "`optimizer` disagree; set it on one of them. Received: "
+                f"master_weights={master_weights!r}, "
+                f"optimizer.master_weights={converted.master_weights!r}"
+            )
+        return converted
+    if loss_scale is None and not (half_variables and masters):
         return optimizer
+    if loss_scale is None:
+        loss_scale = 1.0  # the wrapper for the master weights only
     dynamic = loss_scale == "dynamic"
     wrapper = wrapper_of(optimizer)
     if (
         wrapper is not None
         and wrapper.dynamic == dynamic
         and (dynamic or wrapper.initial_scale == float(loss_scale))
+        and wrapper.master_weights == masters
     ):
         # The same optimizer compiled again (a second `compile` call): its
         # wrapper, with its state, rather than a second one around it.
         return wrapper
     if dynamic:
-        return LossScaleOptimizer(optimizer, name="loss_scale_optimizer")
+        return LossScaleOptimizer(optimizer, master_weights=masters, name="loss_scale_optimizer")
     return LossScaleOptimizer(
-        optimizer, dynamic=False, initial_scale=float(loss_scale), name="loss_scale_optimizer"
+        optimizer,
+        dynamic=False,
+        initial_scale=float(loss_scale),
+        master_weights=masters,
+        name="loss_scale_optimizer",
     )
 
 
-def _from_keras_loss_scale_optimizer(optimizer):
+def _from_keras_loss_scale_optimizer(optimizer, master_weights):
     """Keras's own LossScaleOptimizer, as keras_mp's: same settings and state.
 
     Under `amp_level` a skipped step must also leave BatchNorm's statistics
@@ -169,6 +204,7 @@ def _from_keras_loss_scale_optimizer(optimizer):
         dynamic_growth_steps=optimizer.dynamic_growth_steps,
         min_scale=min(1.0, initial_scale),
         max_scale=max(2.0**24, initial_scale),
+        master_weights=master_weights,
         name=optimizer.name,
     )
     if optimizer.built:
@@ -193,7 +229,8 @@ def compile(model, *args, **kwargs):
         *args, **kwargs: `keras.Model.compile`'s arguments, plus
             `amp_level` ("O0"-"O3" or "auto"), `amp_dtype` ("float16" or
             "bfloat16"), `loss_scale` ("dynamic", a number for a fixed scale,
-            or None) and `keep_batchnorm_fp32`.
+            or None), `keep_batchnorm_fp32` and `master_weights` (None:
+            True; O3's half variables are updated through float32 copies).
     """
     if not isinstance(model, keras.Model):
         raise TypeError(
@@ -211,6 +248,7 @@ def _compile_with_amp(
     amp_dtype=_DEFAULT,
     loss_scale=_DEFAULT,
     keep_batchnorm_fp32=None,
+    master_weights=None,
     **kwargs,
 ):
     if amp_level is None:
@@ -218,13 +256,16 @@ def _compile_with_amp(
             amp_dtype is not _DEFAULT
             or loss_scale is not _DEFAULT
             or keep_batchnorm_fp32 is not None
+            or master_weights is not None
         ):
             raise ValueError(
-                "`amp_dtype`, `loss_scale` and `keep_batchnorm_fp32` need "
-                f"`amp_level` (one of {', '.join(LEVELS)} or 'auto'). Received: "
+                "`amp_dtype`, `loss_scale`, `keep_batchnorm_fp32` and "
+                "`master_weights` need `amp_level` (one of "
+                f"{', '.join(LEVELS)} or 'auto'). Received: "
                 f"amp_level=None, amp_dtype={amp_dtype!r}, "
                 f"loss_scale={loss_scale!r}, "
-                f"keep_batchnorm_fp32={keep_batchnorm_fp32!r}"
+                f"keep_batchnorm_fp32={keep_batchnorm_fp32!r}, "
+                f"master_weights={master_weights!r}"
             )
         result = _keras_compile(self, *args, **kwargs)
         _check_distribution(self)
@@ -233,14 +274,19 @@ def _compile_with_amp(
         guard_train_step(self, guard=False)
         return result
     level, dtype, loss_scale, keep_batchnorm_fp32 = resolve_amp(
-        amp_level, amp_dtype, loss_scale, keep_batchnorm_fp32
+        amp_level, amp_dtype, loss_scale, keep_batchnorm_fp32, master_weights
     )
     bound = _keras_compile_signature.bind(self, *args, **kwargs)
     bound.apply_defaults()
     arguments = dict(bound.arguments)
     arguments.pop("self")
     apply_amp(self, level, dtype, keep_batchnorm_fp32=keep_batchnorm_fp32)
-    optimizer = _wrap_optimizer(keras.optimizers.get(arguments["optimizer"]), loss_scale)
+    optimizer = _wrap_optimizer(
+        keras.optimizers.get(arguments["optimizer"]),
+        loss_scale,
+        half_variables=get_level(level).half_variables,
+        master_weights=master_weights,
+    )
     clip_in_float32(getattr(optimizer, "inner_optimizer", optimizer))
     arguments["optimizer"] = optimizer
     # keras_mp decides about loss scaling; Keras must not wrap a second time.
@@ -252,6 +298,7 @@ def _compile_with_amp(
         amp_dtype=dtype,
         loss_scale=loss_scale,
         keep_batchnorm_fp32=keep_batchnorm_fp32,
+        master_weights=master_weights,
     )
     guard_train_step(self)
     return result

@@ -147,13 +147,17 @@ class Step(NamedTuple):
         check_finite: `grads -> boolean scalar tensor`.
         skip: indices of the gradients that are values, not gradients
             (variables with `overwrite_with_gradient`): never unscaled.
-        apply_inner: `(grads, variables) -> None`, the inner optimizer's step.
+        apply_inner: `(grads, variables) -> None`, the inner optimizer's step
+            (through the float32 master weights, if any).
         stateless_apply: `(optimizer_values, grads, trainable_values) ->
             (trainable_values, optimizer_values)` (JAX's eager `apply`).
         optimizer_variables: every variable of the optimizer, inner ones
             included, in `stateless_apply`'s order.
         built_variables: the trainable variables the optimizer was built with.
-        inner_stateless_apply: the inner optimizer's `stateless_apply`.
+        inner_stateless_apply: `(own_values, inner_values, grads,
+            trainable_values) -> (trainable_values, own_values,
+            inner_values)`: the inner optimizer's `stateless_apply`, and
+            the master weights' copies among the optimizer's own values.
         state_index: where the state's three values start among the
             optimizer's own values (`optimizer_variables`' first
             `own_count`; the inner optimizer's follow).

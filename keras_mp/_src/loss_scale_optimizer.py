@@ -17,6 +17,7 @@ from keras_mp._src.inner_optimizer import mark_wrapped
 from keras_mp._src.loss_scale import Step
 from keras_mp._src.loss_scale import checked_growth_steps
 from keras_mp._src.loss_scale import config_from_arguments
+from keras_mp._src.master_weights import MasterWeights
 
 _KerasLossScaleOptimizer = keras.optimizers.LossScaleOptimizer
 
@@ -110,6 +111,7 @@ class LossScaleOptimizer(_KerasLossScaleOptimizer):
         min_scale=1.0,
         max_scale=2.0**24,
         skip_on_overflow=True,
+        master_weights=True,
         name=None,
         **kwargs,
     ):
@@ -128,6 +130,11 @@ class LossScaleOptimizer(_KerasLossScaleOptimizer):
             max_scale=max_scale,
             skip_on_overflow=skip_on_overflow,
         )
+        if not isinstance(master_weights, bool):
+            raise TypeError(
+                "`master_weights` must be a bool (True or False). Received: "
+                f"master_weights={master_weights!r}"
+            )
         if name is not None and not isinstance(name, str):
             raise TypeError(f"`name` must be a string or None. Received: name={name!r}")
         # Keras's built-in __init__ refuses `dynamic=False`; skip it and set up
@@ -142,6 +149,8 @@ class LossScaleOptimizer(_KerasLossScaleOptimizer):
         self.inner_optimizer.loss_scale_factor = None
         clip_in_float32(self.inner_optimizer)
         self._config = config
+        self._master_weights = master_weights
+        self._masters = None  # the float32 copies, made at `build`
         self.initial_scale = float(initial_scale)
         self.dynamic_growth_steps = dynamic_growth_steps
         self._grads_unscaled_by_caller = False
@@ -167,6 +176,11 @@ class LossScaleOptimizer(_KerasLossScaleOptimizer):
         """The `LossScaleConfig` (read-only): the settings of the state machine."""
         return self._config
 
+    @property
+    def master_weights(self):
+        """Whether half variables are updated through float32 copies."""
+        return self._master_weights
+
     # The settings, read-only (the config's fields).
     dynamic = property(lambda self: self._config.dynamic)
     growth_factor = property(lambda self: self._config.growth_factor)
@@ -190,7 +204,16 @@ class LossScaleOptimizer(_KerasLossScaleOptimizer):
 
     @tracking.no_automatic_dependency_tracking
     def build(self, var_list):
-        self.inner_optimizer.build(var_list)
+        var_list = list(var_list)
+        targets = var_list
+        if self.master_weights:
+            masters = MasterWeights(self, var_list, skip=self._skip_indices(var_list))
+            if masters:
+                self._masters = masters
+                targets = masters.targets(var_list)
+        self.inner_optimizer.build(targets)
+        if self._masters is not None:
+            self._masters.exclude_copies_like(self.inner_optimizer, var_list)
         # The base optimizer's build (not the Keras built-in's, which would
         # create a second set of state variables).
         super(_KerasLossScaleOptimizer, self).build(var_list)
@@ -243,16 +266,43 @@ class LossScaleOptimizer(_KerasLossScaleOptimizer):
             variables=self._state_variables(),
             check_finite=self.check_finite,
             skip=frozenset(self._skip_indices(trainable_variables)),
-            apply_inner=self.inner_optimizer.apply,
+            apply_inner=self._apply_inner,
             stateless_apply=self.stateless_apply,
             # Only a stateless backend's eager `apply` reads these two: not
             # gathered on every step of a stateful one.
             optimizer_variables=tuple(self.variables) if backends.current.STATELESS else (),
             built_variables=tuple(self._trainable_variables) if backends.current.STATELESS else (),
-            inner_stateless_apply=self.inner_optimizer.stateless_apply,
+            inner_stateless_apply=self._inner_stateless_apply,
             state_index=self._state_start,
             own_count=len(self._variables),
         )
+
+    def _apply_inner(self, grads, trainable_variables):
+        if self._masters is None:
+            self.inner_optimizer.apply(grads, trainable_variables)
+        else:
+            self._masters.apply(
+                self.inner_optimizer.apply, grads, trainable_variables, self._get_variable_index
+            )
+
+    def _inner_stateless_apply(self, own_values, inner_values, grads, trainable_values):
+        """`(new_trainable, new_own, new_inner)` values of an applied step."""
+        if self._masters is None:
+            new_trainable, new_inner = self.inner_optimizer.stateless_apply(
+                inner_values, grads, trainable_values
+            )
+            return list(new_trainable), list(own_values), list(new_inner)
+        return self._masters.stateless_apply(
+            self.inner_optimizer.stateless_apply, own_values, inner_values, grads, trainable_values
+        )
+
+    def finalize_variable_values(self, var_list):
+        if self._masters is None:
+            self.inner_optimizer.finalize_variable_values(var_list)
+        else:
+            self._masters.finalize(
+                self.inner_optimizer.finalize_variable_values, var_list, self._get_variable_index
+            )
 
     def stateless_apply(self, optimizer_variables, grads, trainable_variables):
         """Stateless step: returns new trainable and optimizer variable values.
@@ -346,6 +396,7 @@ class LossScaleOptimizer(_KerasLossScaleOptimizer):
             **dataclasses.asdict(self._config),
             "initial_scale": self.initial_scale,
             "dynamic_growth_steps": self.dynamic_growth_steps,
+            "master_weights": self._master_weights,
         }
 
     @classmethod

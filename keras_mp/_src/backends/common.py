@@ -197,7 +197,7 @@ def stateless_step(step, optimizer_values, grads, trainable_values, by_select=No
     start = step.state_index
     state = LossScaleState(*own_values[start : start + 3])
 
-    def own_values_for(new_state):
+    def own_values_for(own_values, new_state):
         new_own = list(own_values)
         for i, (variable, value) in enumerate(zip(step.variables, new_state)):
             new_own[start + i] = ops.cast(value, variable.dtype)
@@ -205,14 +205,14 @@ def stateless_step(step, optimizer_values, grads, trainable_values, by_select=No
 
     def on_finite():
         unscaled = unscale(grads, state.scale, skip=step.skip)
-        new_trainable, new_inner = step.inner_stateless_apply(
-            inner_values, unscaled, trainable_values
+        new_trainable, new_own, new_inner = step.inner_stateless_apply(
+            own_values, inner_values, unscaled, trainable_values
         )
-        new_own = own_values_for(update(state, True, step.config))
+        new_own = own_values_for(new_own, update(state, True, step.config))
         return list(new_trainable), new_own + list(new_inner)
 
     def on_overflow():
-        new_own = own_values_for(update(state, False, step.config))
+        new_own = own_values_for(own_values, update(state, False, step.config))
         return list(trainable_values), new_own + list(inner_values)
 
     if not step.config.checks_finite:

@@ -1,0 +1,148 @@
+"""Float32 master weights for half-precision variables (Apex O2, DeepSpeed).
+
+At O3 the model's variables are float16 or bfloat16. An optimizer that
+updates them in place rounds every update to the variable's precision, and
+an update smaller than half the spacing between neighbouring half values at
+the weight's magnitude (for bfloat16, 2**-8 of the weight) is lost entirely:
+with ordinary learning rates such weights stop learning. Master weights keep
+a float32 copy of each half variable in the optimizer. The inner optimizer is
+built on, and updates, the copies (its slots are float32 too); the model's
+variable is then assigned the copy rounded to its dtype. Forward and backward
+passes stay in half precision; the small updates accumulate in the copy.
+
+A copy is reconciled with its variable before each update: where the
+variable no longer holds the copy's rounding (`model.set_weights`, weights
+loaded without the optimizer, EMA's `finalize_variable_values`), the copy
+takes the variable's value. An update never writes a stale copy back over
+weights set from outside. The reconciliation is one elementwise select per
+variable; the writes of a skipped step do not happen at all.
+
+The copies are optimizer variables of the `LossScaleOptimizer` (named as
+their variables, so the inner optimizer's name-based weight-decay exclusions
+still match), saved and restored with it.
+"""
+
+import keras
+from keras import ops
+
+HALF_DTYPES = ("float16", "bfloat16")
+
+
+def is_half(variable):
+    return keras.backend.standardize_dtype(variable.dtype) in HALF_DTYPES
+
+
+class MasterWeights:
+    """The float32 copies of an optimizer's half trainable variables.
+
+    Args:
+        optimizer: the `LossScaleOptimizer` whose variables hold the copies.
+        var_list: the trainable variables it is built with.
+        skip: indices into `var_list` of variables that get no copy
+            (`overwrite_with_gradient`: their "gradient" is their new value).
+    """
+
+    def __init__(self, optimizer, var_list, skip=frozenset()):
+        self.positions = [i for i, v in enumerate(var_list) if is_half(v) and i not in skip]
+        self.copies = {}
+        first = len(optimizer._variables)
+        for i in self.positions:
+            variable = var_list[i]
+            self.copies[i] = optimizer.add_variable(
+                shape=variable.shape,
+                # The variable's value at build time; restored from the
+                # optimizer's saved state, or reconciled at the first step.
+                initializer=_FromValue(variable),
+                dtype="float32",
+                name=variable.name,
+                layout=getattr(variable, "_layout", None),
+            )
+        # Where the copies sit among the optimizer's own variables.
+        self.own_indices = {i: first + k for k, i in enumerate(self.positions)}
+
+    def __bool__(self):
+        return bool(self.positions)
+
+    def targets(self, var_list):
+        """`var_list` with each half variable replaced by its float32 copy."""
+        targets = list(var_list)
+        for i in self.positions:
+            targets[i] = self.copies[i]
+        return targets
+
+    def exclude_copies_like(self, inner_optimizer, var_list):
+        """Weight-decay exclusions by variable carry over to the copies."""
+        excluded = getattr(inner_optimizer, "_exclude_from_weight_decay", None)
+        if not excluded:
+            return
+        for i in self.positions:
+            if inner_optimizer._var_key(var_list[i]) in excluded:
+                excluded.add(inner_optimizer._var_key(self.copies[i]))
+
+    # -- stateful backends (TensorFlow, PyTorch) -----------------------------
+
+    def apply(self, apply_inner, grads, trainable_variables, index_of):
+        """The inner optimizer's step on the copies, then the rounded write-back.
+
+        Args:
+            apply_inner: `(grads, variables) -> None`.
+            trainable_variables: the variables being updated (any order).
+            index_of: `variable -> position` in the built `var_list`.
+        """
+        written = self._pairs(trainable_variables, index_of)
+        targets = list(trainable_variables)
+        for k, variable, copy in written:
+            copy.assign(reconciled(copy.value, variable.value))
+            targets[k] = copy
+        apply_inner(grads, targets)
+        for _, variable, copy in written:
+            variable.assign(ops.cast(copy.value, variable.dtype))
+
+    def finalize(self, finalize_inner, var_list, index_of):
+        """`finalize_variable_values` (EMA) on the copies, then the write-back."""
+        written = self._pairs(var_list, index_of)
+        targets = list(var_list)
+        for k, _, copy in written:
+            targets[k] = copy
+        finalize_inner(targets)
+        for _, variable, copy in written:
+            variable.assign(ops.cast(copy.value, variable.dtype))
+
+    def _pairs(self, variables, index_of):
+        """`(position in variables, variable, copy)` of each variable with a copy."""
+        pairs = []
+        for k, variable in enumerate(variables):
+            i = index_of(variable)
+            if i in self.copies:
+                pairs.append((k, variable, self.copies[i]))
+        return pairs
+
+    # -- the stateless backend (JAX) ------------------------------------------
+
+    def stateless_apply(self, inner_stateless_apply, own_values, inner_values, grads, values):
+        """`(new_trainable, new_own, new_inner)` from the step's values."""
+        targets = list(values)
+        for i in self.positions:
+            targets[i] = reconciled(own_values[self.own_indices[i]], values[i])
+        new_targets, new_inner = inner_stateless_apply(inner_values, grads, targets)
+        new_trainable = list(new_targets)
+        new_own = list(own_values)
+        for i in self.positions:
+            new_own[self.own_indices[i]] = new_targets[i]
+            new_trainable[i] = ops.cast(new_targets[i], values[i].dtype)
+        return new_trainable, new_own, list(new_inner)
+
+
+def reconciled(copy, value):
+    """The copy, where `value` is its rounding; elsewhere `value` in float32."""
+    return ops.where(
+        ops.equal(ops.cast(copy, value.dtype), value), copy, ops.cast(value, "float32")
+    )
+
+
+class _FromValue(keras.initializers.Initializer):
+    def __init__(self, variable):
+        self.variable = variable
+
+    def __call__(self, shape, dtype=None):
+        return ops.cast(self.variable.value, dtype or "float32")
