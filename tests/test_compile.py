@@ -70,7 +70,12 @@ def test_compile_with_an_explicit_loss_scale_optimizer():
         ({"amp_level": "O2"}, True, True, 2.0**15),
         ({"amp_level": "O1"}, True, True, 2.0**15),
         ({"amp_level": "O2", "amp_dtype": "bfloat16"}, False, None, None),
-        ({"amp_level": "O3"}, False, None, None),
+        # O3's half variables get float32 master weights, in a wrapper of
+        # their own where no loss scale is asked for.
+        ({"amp_level": "O3"}, True, False, 1.0),
+        ({"amp_level": "O3", "amp_dtype": "bfloat16"}, True, False, 1.0),
+        ({"amp_level": "O3", "master_weights": False}, False, None, None),
+        ({"amp_level": "O2", "master_weights": False}, True, True, 2.0**15),
         ({"amp_level": "O0"}, False, None, None),
         ({"amp_level": "O2", "loss_scale": 1024}, True, False, 1024.0),
         ({"amp_level": "O2", "loss_scale": None}, False, None, None),
@@ -87,6 +92,7 @@ def test_optimizer_is_wrapped_when_the_level_calls_for_it(kwargs, wrapped, dynam
         assert not isinstance(model.optimizer.inner_optimizer, keras.optimizers.LossScaleOptimizer)
         assert model.optimizer.dynamic is dynamic
         assert model.optimizer.initial_scale == scale
+        assert model.optimizer.master_weights is kwargs.get("master_weights", True)
 
 
 def test_never_wrapped_twice_under_a_global_mixed_policy():

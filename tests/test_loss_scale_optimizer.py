@@ -116,6 +116,8 @@ def test_learning_rate_is_the_inner_one():
         ({"initial_scale": 2.0**30}, ValueError, "initial_scale=1073741824.0"),
         ({"clipnorm": 1.0}, ValueError, "set `clipnorm` on the `inner_optimizer`"),
         ({"foo": 1}, ValueError, "arguments: `foo`"),
+        ({"master_weights": "yes"}, TypeError, "master_weights='yes'"),
+        ({"master_weights": None}, TypeError, "master_weights=None"),
     ],
 )
 def test_bad_arguments_are_named(kwargs, error, fragment):
@@ -571,6 +573,7 @@ def test_config_round_trips_every_argument():
         min_scale=2.0,
         max_scale=1000.0,
         skip_on_overflow=True,
+        master_weights=False,
         name="my_lso",
     )
     optimizer = keras_mp.LossScaleOptimizer(inner, **arguments)

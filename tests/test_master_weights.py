@@ -1,0 +1,209 @@
+"""Float32 master weights for half variables (O3): they learn, and lose nothing.
+
+The references: the same model without master weights (whose bfloat16
+weights do not move at small learning rates), float32 (O0) runs, and the
+weights set by hand. Exact resume through a `.keras` file at O3 is in
+`test_saving.py`, the optimizer features (clipping, EMA, accumulation, weight
+decay) at O3 in `test_optimizer_features.py`, digits accuracy in
+`test_accuracy_parity.py`.
+"""
+
+import keras
+import numpy as np
+import pytest
+
+import keras_mp
+
+BATCH = 8
+
+
+def _numpy(x):
+    return np.asarray(keras.ops.convert_to_numpy(keras.ops.cast(x, "float32")))
+
+
+def _data(steps=4):
+    rng = np.random.default_rng(0)
+    x = rng.normal(size=(steps * BATCH, 6)).astype("float32")
+    y = ((x[:, 0] > 0).astype("int32") + (x[:, 1] > 0)).astype("int32")
+    return x, y
+
+
+def _model():
+    keras.utils.set_random_seed(0)
+    return keras.Sequential(
+        [
+            keras.Input((6,)),
+            keras.layers.Dense(16, activation="relu", name="hidden"),
+            keras.layers.BatchNormalization(name="bn"),
+            keras.layers.Dense(3, activation="softmax", name="probs"),
+        ]
+    )
+
+
+def _compiled(optimizer, dtype="bfloat16", **amp):
+    model = _model()
+    model.compile(
+        optimizer=optimizer,
+        loss="sparse_categorical_crossentropy",
+        amp_level="O3",
+        amp_dtype=dtype,
+        **amp,
+    )
+    return model
+
+
+def _half_weights(model):
+    return [v for v in model.trainable_variables if v.dtype in ("float16", "bfloat16")]
+
+
+def _half_nonzero_weights(model):
+    # Weights that start away from 0 (kernels, BatchNorm's gamma): near 0 a
+    # half dtype's spacing is tiny and any update moves a weight.
+    return [v for v in _half_weights(model) if v.name in ("kernel", "gamma")]
+
+
+@pytest.mark.parametrize("master_weights", [True, False])
+def test_updates_below_bfloat16_resolution_accumulate(master_weights):
+    # SGD at 1e-4: each update is far below half a bfloat16 spacing of most
+    # weights (about 2**-9 of their size), so rounding in place loses it.
+    x, y = _data(steps=8)
+
+    def fit(model):
+        model.fit(x, y, batch_size=BATCH, epochs=3, shuffle=False, verbose=0)
+
+    reference = _model()
+    reference.compile(optimizer=keras.optimizers.SGD(1e-4), loss="sparse_categorical_crossentropy")
+    initial = {v.path.split("/", 1)[1]: _numpy(v) for v in reference.trainable_variables}
+    fit(reference)
+    model = _compiled(keras.optimizers.SGD(1e-4), master_weights=master_weights)
+    started = {v.path.split("/", 1)[1]: _numpy(v) for v in _half_nonzero_weights(model)}
+    assert started, "O3 made no variable half"
+    fit(model)
+    copies = {v.name: v for v in model.optimizer.variables if v.dtype == "float32"}
+    for variable in _half_nonzero_weights(model):
+        key = variable.path.split("/", 1)[1]
+        # (a kernel, or BatchNorm's gamma: each layer's first weight)
+        expected = _numpy(reference.get_layer(key.split("/")[0]).weights[0]) - initial[key]
+        if not master_weights:
+            # Rounded in place: most of float32's update is lost.
+            update = _numpy(variable) - started[key]
+            assert np.linalg.norm(update - expected) > 0.5 * np.linalg.norm(expected), key
+            continue
+        # The copy holds float32's update (its forward passes were bfloat16),
+        # and the model variable holds the copy's rounding.
+        copy = copies[variable.name]
+        update = _numpy(copy) - started[key]
+        assert np.linalg.norm(update - expected) < 0.2 * np.linalg.norm(expected), key
+        rounded = keras.ops.cast(keras.ops.cast(copy, variable.dtype), "float32")
+        np.testing.assert_array_equal(_numpy(variable), _numpy(rounded))
+
+
+def test_o3_bfloat16_follows_float32_training():
+    """Adam at an ordinary learning rate: O3's weights track O0's."""
+
+    def trained(level, **amp):
+        model = _model()
+        model.compile(
+            optimizer=keras.optimizers.Adam(1e-3),
+            loss="sparse_categorical_crossentropy",
+            amp_level=level,
+            amp_dtype="bfloat16",
+            **amp,
+        )
+        x, y = _data(steps=8)
+        model.fit(x, y, batch_size=BATCH, epochs=4, shuffle=False, verbose=0)
+        return np.concatenate([_numpy(v).ravel() for v in model.trainable_variables])
+
+    initial = np.concatenate([_numpy(v).ravel() for v in _model().trainable_variables])
+    reference = trained("O0") - initial
+    for master_weights, bound in ((True, 0.1), (False, None)):
+        update = trained("O3", master_weights=master_weights) - initial
+        error = np.linalg.norm(update - reference) / np.linalg.norm(reference)
+        if bound is not None:
+            assert error < bound, error
+        else:
+            assert error > 0.5, error  # without the copies: far from float32
+
+
+def test_skipped_step_leaves_variables_copies_and_slots_bit_identical(jax_skip_form):
+    # Apex's O2: half variables, float32 master weights and BatchNorm,
+    # dynamic loss scaling.
+    model = _compiled(
+        keras.optimizers.Adam(1e-2),
+        dtype="float16",
+        loss_scale="dynamic",
+        keep_batchnorm_fp32=True,
+    )
+    x, y = _data()
+    model.fit(x, y, batch_size=BATCH, epochs=1, verbose=0)
+    optimizer = model.optimizer
+    assert optimizer.master_weights and optimizer.dynamic
+    state = [_numpy(v) for v in model.weights + optimizer.variables]
+    scale = float(_numpy(optimizer.loss_scale))
+    bad = x[:BATCH].copy()
+    bad[3, 2] = np.inf
+    model.train_on_batch(bad, y[:BATCH])
+    assert int(_numpy(optimizer.skipped_steps)) == 1
+    assert float(_numpy(optimizer.loss_scale)) == scale / 2
+    after = [_numpy(v) for v in model.weights + optimizer.variables]
+    names = [v.path for v in model.weights + optimizer.variables]
+    for name, a, b in zip(names, after, state):
+        if name.endswith(("loss_scale", "good_steps", "skipped_steps")):
+            continue
+        np.testing.assert_array_equal(a, b, err_msg=name)
+
+
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
+def test_weights_set_from_outside_are_kept(dtype):
+    """`set_weights` after training: the next step starts from those weights.
+
+    A copy that no longer rounds to its variable takes the variable's value;
+    with a learning rate of 0 the step must leave the set weights as they are
+    (a stale copy written back would restore the trained ones).
+    """
+    model = _compiled(keras.optimizers.SGD(1e-2), dtype=dtype)
+    x, y = _data()
+    model.fit(x, y, batch_size=BATCH, epochs=2, verbose=0)
+    rng = np.random.default_rng(1)
+    new = [rng.normal(size=w.shape).astype(w.dtype) for w in model.get_weights()]
+    model.set_weights(new)
+    expected = [_numpy(w) for w in model.trainable_variables]
+    model.optimizer.learning_rate = 0.0
+    model.fit(x, y, batch_size=BATCH, epochs=1, verbose=0)
+    for variable, value in zip(model.trainable_variables, expected):
+        np.testing.assert_array_equal(_numpy(variable), value, err_msg=variable.path)
+
+
+def test_weight_decay_exclusions_carry_over_to_the_copies():
+    def trained(level):
+        model = _model()
+        optimizer = keras.optimizers.AdamW(1e-2, weight_decay=5.0)
+        model.compile(
+            optimizer=optimizer,
+            loss="sparse_categorical_crossentropy",
+            amp_level=level,
+            amp_dtype="float16",
+        )
+        inner = getattr(model.optimizer, "inner_optimizer", model.optimizer)
+        # By variable (keyed by the object) and by name.
+        inner.exclude_from_weight_decay(
+            var_list=[model.get_layer("hidden").kernel], var_names=["bias"]
+        )
+        x, y = _data()
+        model.fit(x, y, batch_size=BATCH, epochs=1, shuffle=False, verbose=0)
+        return [(v.path, _numpy(v)) for v in model.trainable_variables]
+
+    for (path, o3), (_, reference) in zip(trained("O3"), trained("O0")):
+        # A decay of 5% a step, if the exclusion were lost, moves these by
+        # about 0.15 of their size in 4 steps: far beyond float16's rounding.
+        np.testing.assert_allclose(o3, reference, atol=3e-3, err_msg=path)
+
+
+def test_master_weights_need_a_bool_and_agree_with_the_optimizer():
+    with pytest.raises(TypeError, match="master_weights='yes'"):
+        _compiled("sgd", master_weights="yes")
+    lso = keras_mp.LossScaleOptimizer(keras.optimizers.SGD(), master_weights=False)
+    with pytest.raises(ValueError, match="master_weights=True.*optimizer.master_weights=False"):
+        _compiled(lso, master_weights=True)
+    with pytest.raises(ValueError, match="need `amp_level`"):
+        _model().compile(optimizer="sgd", loss="mse", master_weights=True)
