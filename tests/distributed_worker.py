@@ -101,7 +101,8 @@ def assert_same(actual, expected, rtol):
 def assert_replicas_agree(strategy, model, opt=None):
     """Every replica holds the same loss-scale state and weights."""
     opt = opt or model.optimizer
-    for variable in [opt.loss_scale, opt.good_steps, opt.skipped_steps] + model.weights:
+    # The optimizer's variables: the state, master weights and slots.
+    for variable in list(opt.variables) + model.weights:
         copies = [numpy(c) for c in strategy.experimental_local_results(variable.value)]
         assert len(copies) == strategy.num_replicas_in_sync == 2
         for c in copies[1:]:
@@ -118,9 +119,10 @@ def mirrored():
 
 
 def tf_fit():
-    """`model.fit` at O0 (exact) and O2 (float16) under MirroredStrategy."""
+    """`model.fit` at O0 (exact), O2 and O3 (float16) under MirroredStrategy."""
     x, y = data()
-    for amp_level, rtol in (("O0", 1e-5), ("O2", 2e-2)):
+    # O3: float16 variables with float32 master weights.
+    for amp_level, rtol in (("O0", 1e-5), ("O2", 2e-2), ("O3", 2e-2)):
         single = compiled(amp_level)
         single.fit(x, y, batch_size=GLOBAL_BATCH, epochs=2, shuffle=False, verbose=0)
         strategy = mirrored()
@@ -315,7 +317,8 @@ def jax_data_parallel():
 
     assert len(jax.devices()) == 2, jax.devices()
     x, y = data()
-    for amp_level, rtol in (("O0", 1e-5), ("O2", 2e-2)):
+    # O3: float16 variables with float32 master weights.
+    for amp_level, rtol in (("O0", 1e-5), ("O2", 2e-2), ("O3", 2e-2)):
         keras.distribution.set_distribution(None)
         single = compiled(amp_level)
         single.fit(x, y, batch_size=GLOBAL_BATCH, epochs=2, shuffle=False, verbose=0)

@@ -7,7 +7,9 @@
 | O2    | half except the deny-list            | float32   | float32          | dynamic    |
 | O3    | half everywhere                      | half      | half unless kept | none       |
 
-(The loss scale is float16's; bfloat16 needs none.)
+(The loss scale is float16's; bfloat16 needs none.) O3's half variables get
+float32 master weights in the optimizer unless `master_weights=False`
+(`master_weights.py`).
 
 "half" is float16, or bfloat16 (whose range is float32's: no loss scaling by
 default). The lists of layers, and the rules at the boundaries between

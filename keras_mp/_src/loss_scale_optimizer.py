@@ -78,6 +78,12 @@ class LossScaleOptimizer(_KerasLossScaleOptimizer):
             this.
         skip_on_overflow: bool. Fixed scale only: `False` applies every step
             without looking at the gradients (no check, no skip).
+        master_weights: bool. `True` updates each float16/bfloat16 trainable
+            variable through a float32 copy kept in this optimizer (the
+            inner optimizer is built on the copies, so its slots are float32
+            too) and assigns the variable the copy's rounding, as Apex's and
+            DeepSpeed's master weights. Without it, updates below a half
+            weight's spacing are lost. Float32 variables need no copy.
         name: string or `None`. The optimizer's name.
 
     Example:
