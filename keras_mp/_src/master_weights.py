@@ -57,6 +57,9 @@ class MasterWeights:
                 name=variable.name,
                 layout=getattr(variable, "_layout", None),
             )
+        # What each variable's storage was when last written here (PyTorch):
+        # unchanged since, it needs no reconciliation.
+        self.write_marks = {}
         # Where the copies sit among the optimizer's own variables.
         self.own_indices = {i: first + k for k, i in enumerate(self.positions)}
 
@@ -92,11 +95,13 @@ class MasterWeights:
         written = self._pairs(trainable_variables, index_of)
         targets = list(trainable_variables)
         for k, variable, copy in written:
-            copy.assign(reconciled(copy.value, variable.value))
+            if self.write_marks.get(id(variable)) != _mark(variable):
+                copy.assign(reconciled(copy.value, variable.value))
             targets[k] = copy
         apply_inner(grads, targets)
         for _, variable, copy in written:
             variable.assign(ops.cast(copy.value, variable.dtype))
+            self.write_marks[id(variable)] = _mark(variable)
 
     def finalize(self, finalize_inner, var_list, index_of):
         """`finalize_variable_values` (EMA) on the copies, then the write-back."""
@@ -131,6 +136,20 @@ class MasterWeights:
             new_own[self.own_indices[i]] = new_targets[i]
             new_trainable[i] = ops.cast(new_targets[i], values[i].dtype)
         return new_trainable, new_own, list(new_inner)
+
+
+def _mark(variable):
+    """A host-side mark that changes whenever the variable is written, or None.
+
+    PyTorch counts the in-place writes of each tensor (`_version`, what
+    autograd checks saved tensors with); every `assign` of a Keras variable
+    is one (`copy_`). Elsewhere there is no such count: None, and the copy is
+    reconciled at every step (on XLA and JAX the select fuses into the
+    update).
+    """
+    value = variable.value
+    version = getattr(value, "_version", None)
+    return None if version is None else (id(value), version)
 
 
 def reconciled(copy, value):
