@@ -207,3 +207,41 @@ def test_master_weights_need_a_bool_and_agree_with_the_optimizer():
         _compiled(lso, master_weights=True)
     with pytest.raises(ValueError, match="need `amp_level`"):
         _model().compile(optimizer="sgd", loss="mse", master_weights=True)
+
+
+def test_lora_fine_tuning_of_a_bfloat16_keras_hub_model():
+    """A KerasHub BERT built in bfloat16 (`from_preset(..., dtype=...)`), LoRA
+    enabled, fine-tuned with Adam at O3 bfloat16: the LoRA weights move as
+    far as in the same fine-tuning in float32, where without master weights
+    Keras's Adam leaves the bfloat16 ones where they were."""
+    pytest.importorskip("keras_hub")
+    from tests.zoo import families
+
+    def lora_updates(level, **amp):
+        keras.utils.set_random_seed(0)
+        model, x, y, loss = families.bert(dtype="bfloat16" if level == "O3" else None)
+        model.backbone.enable_lora(4)
+        lora = [v for v in model.trainable_variables if "lora_kernel_b" in v.path]
+        before = [_numpy(v) for v in lora]
+        model.compile(
+            optimizer=keras.optimizers.Adam(1e-4),
+            loss=loss,
+            amp_level=level,
+            amp_dtype="bfloat16",
+            **amp,
+        )
+        model.fit(x, y, batch_size=2, epochs=2, shuffle=False, verbose=0)
+        lora = [v for v in model.trainable_variables if "lora_kernel_b" in v.path]
+        if level == "O3":
+            assert {v.dtype for v in lora} == {"bfloat16"}
+        return np.concatenate([(_numpy(v) - b).ravel() for v, b in zip(lora, before)])
+
+    # Adam moves each weight by about its learning rate a step: the LoRA
+    # weights' updates have float32's size (their directions are mostly
+    # noise on a random model and labels, in float32 already).
+    reference = np.linalg.norm(lora_updates("O0"))
+    assert reference > 0
+    moved = np.linalg.norm(lora_updates("O3")) / reference
+    assert 0.5 < moved < 2, moved
+    moved = np.linalg.norm(lora_updates("O3", master_weights=False)) / reference
+    assert moved < 0.1, moved  # Keras's Adam on bfloat16 weights
