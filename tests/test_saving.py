@@ -44,16 +44,22 @@ def _model():
     return keras.Model(inputs, outputs)
 
 
-def _compiled(level="O2", dtype="float16", loss_scale="dynamic"):
+def _compiled(level="O2", dtype="float16", loss_scale="dynamic", master_weights=True):
     model = _model()
     if loss_scale == "dynamic":
         # Grows after 3 finite steps: the scale moves both ways in a short run.
         optimizer = keras_mp.LossScaleOptimizer(
-            keras.optimizers.Adam(1e-2), initial_scale=2.0**8, dynamic_growth_steps=3
+            keras.optimizers.Adam(1e-2),
+            initial_scale=2.0**8,
+            dynamic_growth_steps=3,
+            master_weights=master_weights,
         )
     else:
         optimizer = keras_mp.LossScaleOptimizer(
-            keras.optimizers.Adam(1e-2), dynamic=False, initial_scale=loss_scale
+            keras.optimizers.Adam(1e-2),
+            dynamic=False,
+            initial_scale=loss_scale,
+            master_weights=master_weights,
         )
     model.compile(
         optimizer=optimizer,
@@ -101,7 +107,17 @@ def _policies(model):
 @pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
 @pytest.mark.parametrize("level", ["O0", "O1", "O2", "O3"])
 def test_keras_round_trip_and_exact_resume(tmp_path, level, dtype, loss_scale):
-    model = _compiled(level, dtype, loss_scale)
+    _check_round_trip_and_exact_resume(tmp_path, _compiled(level, dtype, loss_scale), level)
+
+
+def test_compensated_updates_round_trip_and_resume_exactly(tmp_path):
+    model = _compiled("O3", "bfloat16", master_weights="compensated")
+    _check_round_trip_and_exact_resume(tmp_path, model, "O3")
+    buffers = [v for v in model.optimizer.variables if v.name.endswith("_compensation")]
+    assert buffers and any(np.any(_numpy(b) != 0) for b in buffers)
+
+
+def _check_round_trip_and_exact_resume(tmp_path, model, level):
     _fit(model, epochs=1)
     optimizer = model.optimizer
     assert int(_numpy(optimizer.skipped_steps)) == 1  # the NaN batch

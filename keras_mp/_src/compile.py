@@ -22,6 +22,7 @@ from keras_mp._src.levels import check_half_dtype
 from keras_mp._src.levels import get_level
 from keras_mp._src.loss_scale import MAX_SCALE
 from keras_mp._src.loss_scale_optimizer import LossScaleOptimizer
+from keras_mp._src.master_weights import check_master_weights
 from keras_mp._src.policies import apply_amp
 from keras_mp._src.train_step import guard_train_step
 
@@ -106,11 +107,7 @@ def _check_amp_arguments(amp_level, amp_dtype, loss_scale, keep_batchnorm_fp32, 
             "`keep_batchnorm_fp32` must be True, False or None. "
             f"Received: keep_batchnorm_fp32={keep_batchnorm_fp32!r}"
         )
-    if master_weights is not None and not isinstance(master_weights, bool):
-        raise TypeError(
-            "`master_weights` must be True, False or None (True). "
-            f"Received: master_weights={master_weights!r}"
-        )
+    check_master_weights(master_weights, allowed_none=True)
 
 
 def resolve_amp(
@@ -135,6 +132,13 @@ def resolve_amp(
     else:
         level = get_level(amp_level).name
         dtype = "float16" if amp_dtype is _DEFAULT else check_half_dtype(amp_dtype, "amp_dtype")
+    if master_weights == "compensated" and dtype == "float16":
+        raise ValueError(
+            "`master_weights='compensated'` compensates bfloat16 variables; "
+            "float16 optimizer slots underflow. Use amp_dtype='bfloat16', or "
+            "master_weights=True with float16. Received: amp_dtype='float16', "
+            "master_weights='compensated'"
+        )
     if loss_scale is _DEFAULT:
         wants = dtype == "float16" and get_level(level).float16_loss_scale
         loss_scale = "dynamic" if wants else None
@@ -149,7 +153,7 @@ def _wrap_optimizer(optimizer, loss_scale, half_variables, master_weights):
     the same, in a fixed scale of 1, for the float32 copies (and the skip of a
     non-finite step that comes with the wrapper).
     """
-    masters = master_weights is not False
+    masters = True if master_weights is None else master_weights
     if isinstance(optimizer, keras.optimizers.LossScaleOptimizer):
         if isinstance(optimizer, LossScaleOptimizer):
             converted = optimizer  # an explicit LossScaleOptimizer is kept as given

@@ -9,6 +9,8 @@ from keras import ops
 from keras.src.utils import tracking
 
 from keras_mp._src import backends
+from keras_mp._src.compensated import COMPENSATED
+from keras_mp._src.compensated import CompensatedUpdates
 from keras_mp._src.inner_optimizer import check_inner_only_arguments
 from keras_mp._src.inner_optimizer import check_inner_optimizer
 from keras_mp._src.inner_optimizer import check_inner_setting
@@ -18,6 +20,7 @@ from keras_mp._src.loss_scale import Step
 from keras_mp._src.loss_scale import checked_growth_steps
 from keras_mp._src.loss_scale import config_from_arguments
 from keras_mp._src.master_weights import MasterWeights
+from keras_mp._src.master_weights import check_master_weights
 
 _KerasLossScaleOptimizer = keras.optimizers.LossScaleOptimizer
 
@@ -78,12 +81,18 @@ class LossScaleOptimizer(_KerasLossScaleOptimizer):
             this.
         skip_on_overflow: bool. Fixed scale only: `False` applies every step
             without looking at the gradients (no check, no skip).
-        master_weights: bool. `True` updates each float16/bfloat16 trainable
-            variable through a float32 copy kept in this optimizer (the
-            inner optimizer is built on the copies, so its slots are float32
-            too) and assigns the variable the copy's rounding, as Apex's and
-            DeepSpeed's master weights. Without it, updates below a half
-            weight's spacing are lost. Float32 variables need no copy.
+        master_weights: `True`, `False` or `"compensated"`. `True` updates
+            each float16/bfloat16 trainable variable through a float32 copy
+            kept in this optimizer (the inner optimizer is built on the
+            copies, so its slots are float32 too) and assigns the variable
+            the copy's rounding, as Apex's and DeepSpeed's master weights.
+            Without it, updates below a half weight's spacing are lost.
+            Float32 variables need no copy. `"compensated"` keeps no copy:
+            each bfloat16 variable gets a bfloat16 buffer of what the
+            rounding of its updates lost (Kahan summation; 2 bytes a weight
+            instead of 4, and the slots stay bfloat16), with steps computed
+            in float32. For bfloat16 variables and an inner `Adam`, `AdamW`
+            or `SGD`.
         name: string or `None`. The optimizer's name.
 
     Example:
@@ -136,11 +145,7 @@ class LossScaleOptimizer(_KerasLossScaleOptimizer):
             max_scale=max_scale,
             skip_on_overflow=skip_on_overflow,
         )
-        if not isinstance(master_weights, bool):
-            raise TypeError(
-                "`master_weights` must be a bool (True or False). Received: "
-                f"master_weights={master_weights!r}"
-            )
+        check_master_weights(master_weights)
         if name is not None and not isinstance(name, str):
             raise TypeError(f"`name` must be a string or None. Received: name={name!r}")
         # Keras's built-in __init__ refuses `dynamic=False`; skip it and set up
@@ -184,7 +189,8 @@ class LossScaleOptimizer(_KerasLossScaleOptimizer):
 
     @property
     def master_weights(self):
-        """Whether half variables are updated through float32 copies."""
+        """How half variables are updated: `True` (float32 copies), `False`, or
+        `"compensated"` (bfloat16 compensation buffers)."""
         return self._master_weights
 
     # The settings, read-only (the config's fields).
@@ -212,6 +218,11 @@ class LossScaleOptimizer(_KerasLossScaleOptimizer):
     def build(self, var_list):
         var_list = list(var_list)
         targets = var_list
+        if self.master_weights == COMPENSATED:
+            self.inner_optimizer.build(var_list)
+            CompensatedUpdates(self.inner_optimizer, var_list, skip=self._skip_indices(var_list))
+            super(_KerasLossScaleOptimizer, self).build(var_list)
+            return
         if self.master_weights:
             masters = MasterWeights(self, var_list, skip=self._skip_indices(var_list))
             if masters:

@@ -28,6 +28,19 @@ from keras import ops
 HALF_DTYPES = ("float16", "bfloat16")
 
 
+def check_master_weights(master_weights, allowed_none=False):
+    """`True`, `False` or `"compensated"` (or `None`, where it means the default)."""
+    if master_weights is None and allowed_none:
+        return
+    if master_weights is True or master_weights is False or master_weights == "compensated":
+        return
+    allowed = "True (float32 copies), False (none) or 'compensated' (bfloat16 buffers)"
+    if allowed_none:
+        allowed += ", or None (True)"
+    error = ValueError if isinstance(master_weights, str) else TypeError
+    raise error(f"`master_weights` must be {allowed}. Received: master_weights={master_weights!r}")
+
+
 def is_half(variable):
     return keras.backend.standardize_dtype(variable.dtype) in HALF_DTYPES
 
@@ -95,7 +108,8 @@ class MasterWeights:
         written = self._pairs(trainable_variables, index_of)
         targets = list(trainable_variables)
         for k, variable, copy in written:
-            if self.write_marks.get(id(variable)) != _mark(variable):
+            mark = _mark(variable)
+            if mark is None or self.write_marks.get(id(variable)) != mark:
                 copy.assign(reconciled(copy.value, variable.value))
             targets[k] = copy
         apply_inner(grads, targets)
