@@ -8,6 +8,8 @@ included), and the time per `fit` step, of
 - O0; O2 (float32 variables, half compute);
 - O3 with float32 master weights (the default) and without
   (`master_weights=False`: Keras's behaviour, bfloat16 weights stop learning),
+- O3 bfloat16 with compensated updates (`master_weights="compensated"`:
+  bfloat16 Kahan buffers, no float32 copy),
 
 in float16 and bfloat16, in one process, alternating the configurations
 round by round, median over rounds. The byte counts are exact (shapes times
@@ -30,6 +32,7 @@ CONFIGS = (
     "O2 bfloat16",
     "O3 bfloat16",
     "O3 bfloat16 no masters",
+    "O3 bfloat16 compensated",
 )
 
 
@@ -45,7 +48,7 @@ def _compiled(keras, config, width):
         loss="sparse_categorical_crossentropy",
         amp_level=level,
         amp_dtype=dtype,
-        master_weights=False if config.endswith("no masters") else None,
+        master_weights={"masters": False, "compensated": "compensated"}.get(parts[-1]),
     )
     return model
 

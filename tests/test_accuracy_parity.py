@@ -95,15 +95,17 @@ def test_mixed_precision_matches_float32(float32_accuracies, level, dtype):
     )
 
 
-def test_o3_with_master_weights_matches_float32(float32_accuracies):
-    """O3 bfloat16 (half variables, float32 master weights): within 0.5 point.
+@pytest.mark.parametrize("master_weights", [True, "compensated"])
+def test_o3_with_master_weights_matches_float32(float32_accuracies, master_weights):
+    """O3 bfloat16 (half variables), with float32 master weights or with
+    bfloat16 compensation buffers: within 0.5 point.
 
-    Without the master weights most updates are lost to bfloat16's rounding:
-    the same runs reach about 61% (O0: 98%).
+    Without either, most updates are lost to bfloat16's rounding: the same
+    runs reach about 61% (O0: 98%).
     """
-    accuracies = _accuracies("O3", "bfloat16")
+    accuracies = _accuracies("O3", "bfloat16", master_weights=master_weights)
     gap = np.mean(accuracies) - np.mean(float32_accuracies)
     assert abs(gap) <= 0.005, (
-        f"O3 bfloat16 test accuracy, mean over seeds {SEEDS}, is {gap:+.4f} "
-        f"from float32's: O3 {accuracies}, O0 {float32_accuracies}"
+        f"O3 bfloat16 (master_weights={master_weights!r}) test accuracy, mean over "
+        f"seeds {SEEDS}, is {gap:+.4f} from float32's: O3 {accuracies}, O0 {float32_accuracies}"
     )

@@ -116,7 +116,7 @@ def test_learning_rate_is_the_inner_one():
         ({"initial_scale": 2.0**30}, ValueError, "initial_scale=1073741824.0"),
         ({"clipnorm": 1.0}, ValueError, "set `clipnorm` on the `inner_optimizer`"),
         ({"foo": 1}, ValueError, "arguments: `foo`"),
-        ({"master_weights": "yes"}, TypeError, "master_weights='yes'"),
+        ({"master_weights": "yes"}, ValueError, "master_weights='yes'"),
         ({"master_weights": None}, TypeError, "master_weights=None"),
     ],
 )

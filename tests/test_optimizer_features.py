@@ -128,13 +128,14 @@ def test_optimizer_feature_at_level(name, level, half):
     assert min_ratio <= ratio <= 1 / min_ratio, ratio
 
 
-@pytest.mark.parametrize("master_weights", [True, False])
+@pytest.mark.parametrize("master_weights", [True, False, "compensated"])
 def test_adam_moves_bfloat16_weights_at_o3(master_weights):
     """Without master weights, Keras's Adam cannot move a bfloat16 weight.
 
     It computes its bias correction in the variable's dtype: in bfloat16
     beta_2=0.999 rounds to 1 and every update is 0 (Keras's own bfloat16
-    policy alike). The float32 copies are what makes O3 bfloat16 learn.
+    policy alike). The float32 copies are what makes O3 bfloat16 learn, or
+    compensated updates (float32 steps, bfloat16 buffers).
     """
     name = "adam"
     OPTIMIZERS[name] = lambda: keras.optimizers.Adam(1e-2, epsilon=1e-3)

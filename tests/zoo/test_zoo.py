@@ -48,13 +48,17 @@ COMPILED = {("O1", "float16"), ("O2", "float16"), ("O3", "bfloat16")}
 # JAX runs an eager `fit` op by op, each op compiled on its first call: 30-90 s
 # a cell for a keras.applications CNN on a CPU (Keras's own policies alike).
 # A compiled cell still costs 10-55 s there, so on JAX each family trains in
-# one of the COMPILED cells, taken in turn: every level is covered by four or
-# five families, KerasHub's and keras.applications' alike. TensorFlow and
-# PyTorch run every cell of every family.
+# one of the COMPILED cells, taken in turn, and of keras.applications only
+# ResNet50 (the others cost 35-55 s a cell to compile; TensorFlow and PyTorch
+# train them at every level). TensorFlow and PyTorch run every cell of every
+# family.
 JAX = BACKEND == "jax"
+JAX_APPLICATIONS = {"resnet50"}
 
 
 def _jax_cells(family):
+    if family in HEAVY and family not in JAX_APPLICATIONS:
+        return set()
     cells = sorted(COMPILED)
     return {cells[list(families.FAMILIES).index(family) % len(cells)]}
 
@@ -264,9 +268,9 @@ def test_keras_hub_model_with_its_own_dtype_trains_at_a_level(form):
     assert keras.backend.standardize_dtype(out.dtype) == "float32"
     np.testing.assert_allclose(_np(out), reference, atol=0.1 * (1 + np.abs(reference).max()))
     before = [_np(v) for v in model.trainable_variables]
-    history = model.fit(x, y, batch_size=2, epochs=2, verbose=0)
+    history = model.fit(x, y, batch_size=2, epochs=1, verbose=0)
     assert np.isfinite(history.history["loss"]).all()
-    assert history.history["skipped_steps"][-1] < 8
+    assert history.history["skipped_steps"][-1] < len(x["token_ids"]) // 2
     after = [_np(v) for v in model.trainable_variables]
     assert any(not np.array_equal(a, b) for a, b in zip(after, before))
 
