@@ -13,6 +13,8 @@
 #   overhead   lso_overhead.py: keras_mp's optimizer over plain and over Keras's
 #   forms      jax_skip_forms.py: ways of writing the skip, in plain JAX
 #   levels     amp_levels.py on the GPU-sized models (O0-O3, Keras's policies)
+#   masters    master_weights.py: memory and step time of O3's master weights
+#              and compensated updates against O0 and O2 (a 9M-weight MLP)
 #   tf_levels  TensorFlow only: every level, float16 and bfloat16, XLA on and off,
 #              on ResNet50 and the transformer (needs TensorFlow's GPU build:
 #              ../shared/tools/tf-gpu-kit, then `. /tmp/tfgpu/env.sh`)
@@ -115,6 +117,13 @@ levels() {
     done
 }
 
+masters() {
+    for b in $BACKENDS; do
+        step 200 "masters_$b" env KERAS_BACKEND=$b python3 master_weights.py \
+            --width 2048 --batch 1024 --rounds 7
+    done
+}
+
 # TensorFlow on the GPU (issue 27): every level in float16 and bfloat16 against
 # Keras's policies, with XLA and without, on ResNet50 and the transformer.
 TF_LEVELS=(O0 "O1 float16" "O2 float16" "O3 float16" "O1 bfloat16" "O2 bfloat16" "O3 bfloat16"
@@ -132,10 +141,11 @@ tf_levels() {
 }
 
 PARTS=("$@")
-[ ${#PARTS[@]} -gt 0 ] || PARTS=(sanity tests overhead forms levels tf_levels)
+[ ${#PARTS[@]} -gt 0 ] || PARTS=(sanity tests overhead forms levels masters tf_levels)
 for part in "${PARTS[@]}"; do
     case $part in
-        sanity|tests|overhead|forms|levels|tf_levels) $part ;;
-        *) echo "unknown part: $part (sanity, tests, overhead, forms, levels, tf_levels)"; exit 2 ;;
+        sanity|tests|overhead|forms|levels|masters|tf_levels) $part ;;
+        *) echo "unknown part: $part (sanity, tests, overhead, forms, levels, masters, tf_levels)"
+            exit 2 ;;
     esac
 done
