@@ -36,9 +36,8 @@ inner optimizer: saved and restored with it, untouched by a skipped step.
 import keras
 from keras import ops
 
+from keras_mp._src.master_weights import COMPENSATED
 from keras_mp._src.master_weights import is_half
-
-COMPENSATED = "compensated"
 
 
 class CompensatedUpdates:
@@ -80,9 +79,6 @@ class CompensatedUpdates:
                 )
         if self.buffers:
             self._install()
-
-    def __bool__(self):
-        return bool(self.buffers)
 
     def _buffer(self, variable):
         index = self.optimizer._trainable_variables_indices.get(self.optimizer._var_key(variable))

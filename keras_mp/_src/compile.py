@@ -22,6 +22,7 @@ from keras_mp._src.levels import check_half_dtype
 from keras_mp._src.levels import get_level
 from keras_mp._src.loss_scale import MAX_SCALE
 from keras_mp._src.loss_scale_optimizer import LossScaleOptimizer
+from keras_mp._src.master_weights import COMPENSATED
 from keras_mp._src.master_weights import check_master_weights
 from keras_mp._src.policies import apply_amp
 from keras_mp._src.train_step import guard_train_step
@@ -132,7 +133,7 @@ def resolve_amp(
     else:
         level = get_level(amp_level).name
         dtype = "float16" if amp_dtype is _DEFAULT else check_half_dtype(amp_dtype, "amp_dtype")
-    if master_weights == "compensated" and dtype == "float16":
+    if master_weights == COMPENSATED and dtype == "float16":
         raise ValueError(
             "`master_weights='compensated'` compensates bfloat16 variables; "
             "float16 optimizer slots underflow. Use amp_dtype='bfloat16', or "

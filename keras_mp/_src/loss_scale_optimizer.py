@@ -9,7 +9,6 @@ from keras import ops
 from keras.src.utils import tracking
 
 from keras_mp._src import backends
-from keras_mp._src.compensated import COMPENSATED
 from keras_mp._src.compensated import CompensatedUpdates
 from keras_mp._src.inner_optimizer import check_inner_only_arguments
 from keras_mp._src.inner_optimizer import check_inner_optimizer
@@ -19,6 +18,7 @@ from keras_mp._src.inner_optimizer import mark_wrapped
 from keras_mp._src.loss_scale import Step
 from keras_mp._src.loss_scale import checked_growth_steps
 from keras_mp._src.loss_scale import config_from_arguments
+from keras_mp._src.master_weights import COMPENSATED
 from keras_mp._src.master_weights import MasterWeights
 from keras_mp._src.master_weights import check_master_weights
 
@@ -217,20 +217,18 @@ class LossScaleOptimizer(_KerasLossScaleOptimizer):
     @tracking.no_automatic_dependency_tracking
     def build(self, var_list):
         var_list = list(var_list)
+        skip = self._skip_indices(var_list)
         targets = var_list
-        if self.master_weights == COMPENSATED:
-            self.inner_optimizer.build(var_list)
-            CompensatedUpdates(self.inner_optimizer, var_list, skip=self._skip_indices(var_list))
-            super(_KerasLossScaleOptimizer, self).build(var_list)
-            return
-        if self.master_weights:
-            masters = MasterWeights(self, var_list, skip=self._skip_indices(var_list))
+        if self.master_weights is True:
+            masters = MasterWeights(self, var_list, skip=skip)
             if masters:
                 self._masters = masters
                 targets = masters.targets(var_list)
         self.inner_optimizer.build(targets)
         if self._masters is not None:
             self._masters.exclude_copies_like(self.inner_optimizer, var_list)
+        elif self.master_weights == COMPENSATED:
+            CompensatedUpdates(self.inner_optimizer, var_list, skip=skip)
         # The base optimizer's build (not the Keras built-in's, which would
         # create a second set of state variables).
         super(_KerasLossScaleOptimizer, self).build(var_list)

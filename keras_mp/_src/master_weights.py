@@ -26,13 +26,15 @@ import keras
 from keras import ops
 
 HALF_DTYPES = ("float16", "bfloat16")
+# `master_weights`'s third value: bfloat16 compensation buffers (`compensated.py`).
+COMPENSATED = "compensated"
 
 
 def check_master_weights(master_weights, allowed_none=False):
     """`True`, `False` or `"compensated"` (or `None`, where it means the default)."""
     if master_weights is None and allowed_none:
         return
-    if master_weights is True or master_weights is False or master_weights == "compensated":
+    if master_weights is True or master_weights is False or master_weights == COMPENSATED:
         return
     allowed = "True (float32 copies), False (none) or 'compensated' (bfloat16 buffers)"
     if allowed_none:
