@@ -268,9 +268,9 @@ def test_keras_hub_model_with_its_own_dtype_trains_at_a_level(form):
     assert keras.backend.standardize_dtype(out.dtype) == "float32"
     np.testing.assert_allclose(_np(out), reference, atol=0.1 * (1 + np.abs(reference).max()))
     before = [_np(v) for v in model.trainable_variables]
-    history = model.fit(x, y, batch_size=2, epochs=2, verbose=0)
+    history = model.fit(x, y, batch_size=2, epochs=1, verbose=0)
     assert np.isfinite(history.history["loss"]).all()
-    assert history.history["skipped_steps"][-1] < 8
+    assert history.history["skipped_steps"][-1] < 4
     after = [_np(v) for v in model.trainable_variables]
     assert any(not np.array_equal(a, b) for a, b in zip(after, before))
 
