@@ -2,10 +2,34 @@
 
 import os
 
+
+def _threads_per_worker():
+    """The cores each pytest-xdist worker may use, or None outside xdist.
+
+    PyTorch sizes its OpenMP pool to the whole machine: with two workers on
+    two cores, four threads share two cores and spin while they wait (the
+    digits parity runs took 8x longer beside another worker than alone; the
+    whole PyTorch run 392 s against 133 s). TensorFlow's and XLA's pools
+    block instead, and limiting them made those runs slower.
+    """
+    workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
+    if workers <= 1:
+        return None
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    return max(1, (cores or 1) // workers)
+
+
+THREADS = _threads_per_worker()
+
 # Import torch before TensorFlow/JAX when it is the backend: importing it
 # after them can pick up conflicting OpenMP runtimes.
 if os.environ.get("KERAS_BACKEND") == "torch":
+    if THREADS is not None:  # before the import: the examples' subprocesses inherit it
+        os.environ.setdefault("OMP_NUM_THREADS", str(THREADS))
     import torch
+
+    if THREADS is not None:
+        torch.set_num_threads(THREADS)
 
     # References are float32/float64 runs: TF32 matmuls would blur them.
     torch.backends.cuda.matmul.allow_tf32 = False
