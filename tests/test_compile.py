@@ -213,11 +213,20 @@ def _bad_batch():
     return x[:8], y[:8], x_bad
 
 
-@pytest.mark.parametrize("level", ["O1", "O2"])
-def test_skipped_batch_keeps_every_weight_train_on_batch(level):
+@pytest.mark.parametrize(
+    "amp",
+    [
+        {"amp_level": "O1"},
+        {"amp_level": "O2"},
+        # bfloat16 needs no loss scale; a fixed scale of 1 still checks every step.
+        {"amp_level": "O2", "amp_dtype": "bfloat16", "loss_scale": 1},
+    ],
+    ids=["O1", "O2", "O2-bfloat16-unit-scale"],
+)
+def test_skipped_batch_keeps_every_weight_train_on_batch(amp):
     x, y, x_bad = _bad_batch()
     model = _bn_model()
-    model.compile(optimizer="adam", loss="sparse_categorical_crossentropy", amp_level=level)
+    model.compile(optimizer="adam", loss="sparse_categorical_crossentropy", **amp)
     model.train_on_batch(x, y)
     before = model.get_weights()
     model.train_on_batch(x_bad, y)
