@@ -64,16 +64,36 @@ def build():
     )
 
 
-def lso():
+def lso(master_weights=True):
     return keras_mp.LossScaleOptimizer(
-        keras.optimizers.SGD(0.05, momentum=0.9), initial_scale=2.0**8, dynamic_growth_steps=2
+        keras.optimizers.SGD(0.05, momentum=0.9),
+        initial_scale=2.0**8,
+        dynamic_growth_steps=2,
+        master_weights=master_weights,
     )
 
 
-def compiled(amp_level):
+def compiled(amp_level, amp_dtype="float16", master_weights=True):
     model = build()
-    model.compile(optimizer=lso(), loss="mse", amp_level=amp_level)
+    model.compile(
+        optimizer=lso(master_weights), loss="mse", amp_level=amp_level, amp_dtype=amp_dtype
+    )
     return model
+
+
+# (name, compile arguments, tolerance against the single-device run)
+LEVELS = (
+    ("O0", {"amp_level": "O0"}, 1e-5),
+    ("O2", {"amp_level": "O2"}, 2e-2),
+    # float16 variables with float32 master weights.
+    ("O3", {"amp_level": "O3"}, 2e-2),
+    # bfloat16 variables with bfloat16 compensation buffers.
+    (
+        "O3-compensated",
+        {"amp_level": "O3", "amp_dtype": "bfloat16", "master_weights": "compensated"},
+        2e-2,
+    ),
+)
 
 
 def numpy(x):
@@ -121,13 +141,12 @@ def mirrored():
 def tf_fit():
     """`model.fit` at O0 (exact), O2 and O3 (float16) under MirroredStrategy."""
     x, y = data()
-    # O3: float16 variables with float32 master weights.
-    for amp_level, rtol in (("O0", 1e-5), ("O2", 2e-2), ("O3", 2e-2)):
-        single = compiled(amp_level)
+    for name, amp, rtol in LEVELS:
+        single = compiled(**amp)
         single.fit(x, y, batch_size=GLOBAL_BATCH, epochs=2, shuffle=False, verbose=0)
         strategy = mirrored()
         with strategy.scope():
-            model = compiled(amp_level)
+            model = compiled(**amp)
         history = model.fit(x, y, batch_size=GLOBAL_BATCH, epochs=2, shuffle=False, verbose=0)
         assert_replicas_agree(strategy, model)
         expected = state(single)
@@ -135,7 +154,7 @@ def tf_fit():
         assert_same(state(model), expected, rtol)
         assert history.history["skipped_steps"] == [1.0, 2.0], history.history
         assert history.history["loss_scale"][-1] == expected["loss_scale"]
-        print(f"tf_fit {amp_level}: ok", state(model)["loss_scale"], expected["skipped_steps"])
+        print(f"tf_fit {name}: ok", state(model)["loss_scale"], expected["skipped_steps"])
 
 
 def _custom_loop(strategy):
@@ -317,14 +336,13 @@ def jax_data_parallel():
 
     assert len(jax.devices()) == 2, jax.devices()
     x, y = data()
-    # O3: float16 variables with float32 master weights.
-    for amp_level, rtol in (("O0", 1e-5), ("O2", 2e-2), ("O3", 2e-2)):
+    for name, amp, rtol in LEVELS:
         keras.distribution.set_distribution(None)
-        single = compiled(amp_level)
+        single = compiled(**amp)
         single.fit(x, y, batch_size=GLOBAL_BATCH, epochs=2, shuffle=False, verbose=0)
 
         keras.distribution.set_distribution(keras.distribution.DataParallel(devices=jax.devices()))
-        model = compiled(amp_level)
+        model = compiled(**amp)
         history = model.fit(x, y, batch_size=GLOBAL_BATCH, epochs=2, shuffle=False, verbose=0)
         kernel = model.get_layer("hidden").kernel.value
         assert len(kernel.sharding.device_set) == 2  # replicated on both devices
@@ -332,7 +350,7 @@ def jax_data_parallel():
         assert expected["skipped_steps"] == 2
         assert_same(state(model), expected, rtol)
         assert history.history["skipped_steps"] == [1.0, 2.0], history.history
-        print(f"jax_data_parallel {amp_level}: ok")
+        print(f"jax_data_parallel {name}: ok")
     keras.distribution.set_distribution(None)
 
 

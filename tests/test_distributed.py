@@ -43,10 +43,15 @@ def _run(scenario, backend):
     ],
 )
 def test_tf_distribute(scenario):
-    assert f"{scenario}" in _run(scenario, "tensorflow")
+    out = _run(scenario, "tensorflow")
+    assert f"{scenario}" in out
+    if scenario == "tf_fit":
+        for level in ("O0", "O2", "O3", "O3-compensated"):
+            assert f"tf_fit {level}: ok" in out, out
 
 
 @pytest.mark.skipif(BACKEND != "jax", reason="keras.distribution on JAX")
 def test_jax_data_parallel():
     out = _run("jax_data_parallel", "jax")
-    assert "jax_data_parallel O0: ok" in out and "jax_data_parallel O2: ok" in out
+    for level in ("O0", "O2", "O3", "O3-compensated"):
+        assert f"jax_data_parallel {level}: ok" in out, out
