@@ -8,6 +8,7 @@ import pytest
 
 import keras_mp
 from keras_mp._src import compile as amp_compile
+from tests import models
 
 BACKEND = keras.backend.backend()
 
@@ -17,21 +18,11 @@ def _numpy(x):
 
 
 def _model():
-    keras.utils.set_random_seed(0)
-    return keras.Sequential(
-        [
-            keras.Input((6,)),
-            keras.layers.Dense(16, activation="relu", name="hidden"),
-            keras.layers.BatchNormalization(name="bn"),
-            keras.layers.Dense(3, activation="softmax", name="out"),
-        ]
-    )
+    return models.dense_bn_classifier()
 
 
 def _data():
-    rng = np.random.default_rng(0)
-    x = rng.normal(size=(32, 6)).astype("float32")
-    return x, (x[:, 0] > 0).astype("int32") + (x[:, 1] > 0).astype("int32")
+    return models.three_class_data(32)
 
 
 def test_plain_compile_is_unchanged():

@@ -13,6 +13,7 @@ import numpy as np
 import pytest
 
 import keras_mp
+from tests import models
 
 BATCH = 8
 
@@ -22,22 +23,11 @@ def _numpy(x):
 
 
 def _data(steps=4):
-    rng = np.random.default_rng(0)
-    x = rng.normal(size=(steps * BATCH, 6)).astype("float32")
-    y = ((x[:, 0] > 0).astype("int32") + (x[:, 1] > 0)).astype("int32")
-    return x, y
+    return models.three_class_data(steps * BATCH)
 
 
 def _model():
-    keras.utils.set_random_seed(0)
-    return keras.Sequential(
-        [
-            keras.Input((6,)),
-            keras.layers.Dense(16, activation="relu", name="hidden"),
-            keras.layers.BatchNormalization(name="bn"),
-            keras.layers.Dense(3, activation="softmax", name="probs"),
-        ]
-    )
+    return models.dense_bn_classifier()
 
 
 def _compiled(optimizer, dtype="bfloat16", **amp):
