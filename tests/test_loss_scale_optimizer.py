@@ -252,6 +252,54 @@ def test_jax_select_form_has_no_conditional(jax_skip_form):
 
 
 @pytest.mark.perf
+@pytest.mark.skipif(BACKEND != "jax", reason="JAX's select form of the skip")
+@pytest.mark.parametrize(
+    "master_weights",
+    [
+        False,
+        # Left: the master copy and the half weight are still copied once
+        # (the copy is chosen after its reconciliation, in a second select).
+        pytest.param(True, marks=pytest.mark.xfail(strict=True, reason="copies the master")),
+    ],
+)
+def test_jax_select_form_copies_no_slot(monkeypatch, master_weights):
+    """The select form updates the slots in place, as the plain step does.
+
+    Selected only after the inner optimizer's update, the weight update
+    recomputed Adam's new moments from the old ones while the moments were
+    written in place: XLA copied every moment buffer first, a read and a
+    write of the optimizer's state per step (`benchmarks/hlo_census.py`).
+    """
+    import jax
+
+    monkeypatch.setenv("KERAS_MP_JAX_SKIP_FORM", "select")
+    dtype = "float16" if master_weights else "float32"
+    optimizer = keras_mp.LossScaleOptimizer(
+        keras.optimizers.Adam(0.1), master_weights=master_weights
+    )
+    variables = [keras.Variable(np.ones((64, 32)), dtype=dtype), keras.Variable(np.ones(32))]
+    optimizer.build(variables)
+    grads = [_tensor(np.ones((64, 32)), dtype), _tensor(np.ones(32))]
+
+    def apply(optimizer_values, grads, trainable_values):
+        # Outputs in the donated inputs' order, as Keras's trainer has them.
+        new_trainable, new_optimizer = optimizer.stateless_apply(
+            optimizer_values, grads, trainable_values
+        )
+        return new_optimizer, new_trainable
+
+    step = jax.jit(apply, donate_argnums=(0, 2))
+    hlo = (
+        step.lower([v.value for v in optimizer.variables], grads, [v.value for v in variables])
+        .compile()
+        .as_text()
+    )
+    entry = hlo[hlo.index("ENTRY") :]
+    copies = [line for line in entry.splitlines() if " copy(" in line and "[64,32]" in line]
+    assert not copies, "\n".join(copies)
+
+
+@pytest.mark.perf
 @pytest.mark.skipif(BACKEND != "tensorflow", reason="TensorFlow's XLA step")
 def test_xla_step_keeps_the_skip_a_conditional():
     """XLA would turn the skip into selects: the update on every step, and a

@@ -137,3 +137,41 @@ def check_inner_optimizer(inner_optimizer):
             f"inner_optimizer={type(inner_optimizer).__name__}"
             f"(name={inner_optimizer.name!r})"
         )
+
+
+class _KeptUnlessScope(keras.StatelessScope):
+    """A stateless scope whose every assignment keeps the variable's value
+    from before the scope where `kept` is False."""
+
+    def __init__(self, state_mapping, kept):
+        super().__init__(state_mapping=state_mapping)
+        self._kept = kept
+        self._before = dict(self.state_mapping)
+
+    def add_update(self, update):
+        variable, value = update
+        before = self._before.get(id(variable))
+        if before is not None:
+            value = keras.ops.where(self._kept, value, before)
+        super().add_update((variable, value))
+
+
+def stateless_apply_kept_if(optimizer, kept, optimizer_values, grads, trainable_values):
+    """`optimizer.stateless_apply`, each assignment kept only where `kept`.
+
+    The same values as `stateless_apply` followed by `where(kept, new, old)`
+    on each returned value, but chosen where each is assigned, so that what
+    is computed after an assignment reads the chosen value: Adam's weight
+    update reads its new moments as they are written, as in the plain step.
+    Selecting at the end instead has the weight update recompute the new
+    moments from the old ones while the moments are written in place, and
+    XLA copies every moment buffer first (`benchmarks/hlo_census.py`).
+    """
+    built = optimizer._trainable_variables
+    mapping = list(zip(built, trainable_values)) + list(zip(optimizer.variables, optimizer_values))
+    with _KeptUnlessScope(mapping, kept) as scope:
+        optimizer.apply(grads)
+    return (
+        [scope.get_current_value(v) for v in built],
+        [scope.get_current_value(v) for v in optimizer.variables],
+    )

@@ -15,6 +15,7 @@ from keras_mp._src.inner_optimizer import check_inner_optimizer
 from keras_mp._src.inner_optimizer import check_inner_setting
 from keras_mp._src.inner_optimizer import clip_in_float32
 from keras_mp._src.inner_optimizer import mark_wrapped
+from keras_mp._src.inner_optimizer import stateless_apply_kept_if
 from keras_mp._src.loss_scale import Step
 from keras_mp._src.loss_scale import checked_growth_steps
 from keras_mp._src.loss_scale import config_from_arguments
@@ -300,15 +301,20 @@ class LossScaleOptimizer(_KerasLossScaleOptimizer):
                 self.inner_optimizer.apply, grads, trainable_variables, self._get_variable_index
             )
 
-    def _inner_stateless_apply(self, own_values, inner_values, grads, trainable_values):
-        """`(new_trainable, new_own, new_inner)` values of an applied step."""
+    def _inner_stateless_apply(self, own_values, inner_values, grads, trainable_values, kept=None):
+        """`(new_trainable, new_own, new_inner)` values of an applied step.
+
+        With `kept` (a boolean scalar), the inner optimizer's assignments
+        are kept only where it is True (`stateless_apply_kept_if`).
+        """
+        inner_apply = self.inner_optimizer.stateless_apply
+        if kept is not None:
+            inner_apply = functools.partial(stateless_apply_kept_if, self.inner_optimizer, kept)
         if self._masters is None:
-            new_trainable, new_inner = self.inner_optimizer.stateless_apply(
-                inner_values, grads, trainable_values
-            )
+            new_trainable, new_inner = inner_apply(inner_values, grads, trainable_values)
             return list(new_trainable), list(own_values), list(new_inner)
         return self._masters.stateless_apply(
-            self.inner_optimizer.stateless_apply, own_values, inner_values, grads, trainable_values
+            inner_apply, own_values, inner_values, grads, trainable_values
         )
 
     def finalize_variable_values(self, var_list):

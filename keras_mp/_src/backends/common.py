@@ -203,10 +203,10 @@ def stateless_step(step, optimizer_values, grads, trainable_values, by_select=No
             new_own[start + i] = ops.cast(value, variable.dtype)
         return new_own
 
-    def on_finite():
+    def on_finite(kept=None):
         unscaled = unscale(grads, state.scale, skip=step.skip)
         new_trainable, new_own, new_inner = step.inner_stateless_apply(
-            own_values, inner_values, unscaled, trainable_values
+            own_values, inner_values, unscaled, trainable_values, kept=kept
         )
         new_own = own_values_for(new_own, update(state, True, step.config))
         return list(new_trainable), new_own + list(new_inner)
@@ -219,10 +219,20 @@ def stateless_step(step, optimizer_values, grads, trainable_values, by_select=No
         return on_finite()
     finite = step.check_finite(grads)
     if (by_select or skips_by_select)():
-        outcomes = zip(on_finite(), on_overflow())
-        return tuple(
-            [ops.where(finite, new, old) for new, old in zip(*outcome)] for outcome in outcomes
-        )
+        # The inner optimizer's values are chosen as they are assigned (its
+        # update reads its new slots as it writes them, as in the plain step;
+        # selected afterwards, XLA copies every slot first). A trainable
+        # value with a master copy is the copy's rounding, the same bits
+        # when the copy is kept. The optimizer's own values (the state, the
+        # copies) are chosen here.
+        new_trainable, new_optimizer = on_finite(kept=finite)
+        _, old_optimizer = on_overflow()
+        own = step.own_count
+        new_own = [
+            ops.where(finite, new, old)
+            for new, old in zip(new_optimizer[:own], old_optimizer[:own])
+        ]
+        return list(new_trainable), new_own + list(new_optimizer[own:])
     return ops.cond(finite, on_finite, on_overflow)
 
 
