@@ -13,6 +13,8 @@
 #   overhead   lso_overhead.py: keras_mp's optimizer over plain and over Keras's
 #   forms      jax_skip_forms.py: ways of writing the skip, in plain JAX
 #   levels     amp_levels.py on the GPU-sized models (O0-O3, Keras's policies)
+#   census     hlo_census.py (JAX): the compiled train step's launches and copies,
+#              O0, O2 and O3 against Keras's policies, on the GPU models
 #   masters    master_weights.py: memory and step time of O3's master weights
 #              and compensated updates against O0 and O2 (a 9M-weight MLP)
 #   tf_levels  TensorFlow only: every level, float16 and bfloat16, XLA on and off,
@@ -117,6 +119,15 @@ levels() {
     done
 }
 
+census() {
+    has jax || return 0
+    for m in mlp_large transformer_large; do
+        step 300 "census_$m" env KERAS_BACKEND=jax python3 hlo_census.py --models $m \
+            --batch 64 --configs O0 "O2 float16" "O3 float16" "keras mixed_float16" \
+            "O2 bfloat16" "keras mixed_bfloat16"
+    done
+}
+
 masters() {
     for b in $BACKENDS; do
         step 200 "masters_$b" env KERAS_BACKEND=$b python3 master_weights.py \
@@ -141,11 +152,11 @@ tf_levels() {
 }
 
 PARTS=("$@")
-[ ${#PARTS[@]} -gt 0 ] || PARTS=(sanity tests overhead forms levels masters tf_levels)
+[ ${#PARTS[@]} -gt 0 ] || PARTS=(sanity tests overhead forms census levels masters tf_levels)
 for part in "${PARTS[@]}"; do
     case $part in
-        sanity|tests|overhead|forms|levels|masters|tf_levels) $part ;;
-        *) echo "unknown part: $part (sanity, tests, overhead, forms, levels, masters, tf_levels)"
+        sanity|tests|overhead|forms|census|levels|masters|tf_levels) $part ;;
+        *) echo "unknown part: $part (sanity, tests, overhead, forms, census, levels, masters, tf_levels)"
             exit 2 ;;
     esac
 done
