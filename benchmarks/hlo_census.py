@@ -92,11 +92,8 @@ def _one(config, model_name, batch, dump):
 
 
 def _optimized_train_step(dump):
-    paths = [
-        p
-        for p in glob.glob(os.path.join(dump, "*jit_train_step*after_optimizations.txt"))
-        if re.search(r"\.\w+_after_optimizations\.txt$", p)
-    ]
+    # The platform's optimized module (`cpu_`/`gpu_after_optimizations.txt`).
+    paths = glob.glob(os.path.join(dump, "*jit_train_step*after_optimizations.txt"))
     if not paths:
         raise RuntimeError(f"no optimized train step was dumped in {dump}")
     return max(paths, key=os.path.getmtime)

@@ -139,7 +139,7 @@ def mirrored():
 
 
 def tf_fit():
-    """`model.fit` at O0 (exact), O2 and O3 (float16) under MirroredStrategy."""
+    """`model.fit` at each of `LEVELS` under MirroredStrategy."""
     x, y = data()
     for name, amp, rtol in LEVELS:
         single = compiled(**amp)
