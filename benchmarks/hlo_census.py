@@ -27,6 +27,7 @@ import sys
 import tempfile
 
 import _checkout  # noqa: F401 (this checkout's keras_mp first)
+import amp_levels
 
 CONFIGS = ("O0", "O2 float16", "keras mixed_float16", "O2 bfloat16", "keras mixed_bfloat16")
 # Operations that launch no work of their own.
@@ -78,7 +79,6 @@ def _one(config, model_name, batch, dump):
     os.environ["XLA_FLAGS"] = (
         os.environ.get("XLA_FLAGS", "") + f" --xla_dump_to={dump} --xla_dump_hlo_as_text"
     )
-    import amp_levels
     import keras
     import numpy as np
 
@@ -101,13 +101,16 @@ def _optimized_train_step(dump):
 
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--models", nargs="+", default=["mlp"])
-    parser.add_argument("--configs", nargs="+", default=list(CONFIGS))
+    models = amp_levels.MODELS + amp_levels.GPU_MODELS
+    parser.add_argument("--models", nargs="+", default=["mlp"], choices=models)
+    parser.add_argument("--configs", nargs="+", default=list(CONFIGS), choices=amp_levels.CONFIGS)
     parser.add_argument("--batch", type=int, default=64)
     parser.add_argument(
         "--one", nargs=3, metavar=("CONFIG", "MODEL", "DUMP"), help=argparse.SUPPRESS
     )
     args = parser.parse_args()
+    if args.batch < 1:
+        parser.error(f"--batch must be a positive number of samples, got {args.batch}")
     if args.one:
         return _one(args.one[0], args.one[1], args.batch, args.one[2])
     if os.environ.get("KERAS_BACKEND", "jax") != "jax":
