@@ -45,6 +45,11 @@ if keras.backend.backend() == "jax":
 
     # The same for JAX, whose float32 matmuls on a GPU default to TF32.
     jax.config.update("jax_default_matmul_precision", "float32")
+elif keras.backend.backend() == "tensorflow":
+    import tensorflow as tf
+
+    # And for TensorFlow, which turns TF32 on by default on Ampere and later.
+    tf.config.experimental.enable_tensor_float_32_execution(False)
 
 from keras_mp._src.backends import common as backends_common  # noqa: E402
 

@@ -15,6 +15,12 @@ import keras_mp
 from keras_mp._src import backends
 
 BACKEND = keras.backend.backend()
+# TensorFlow's XLA step as compiled for a CPU: on a GPU the skip is selects
+# (`keep_conditional`) and the tensors live in the GPU's memory.
+tensorflow_xla_on_cpu = pytest.mark.skipif(
+    BACKEND != "tensorflow" or bool(backends.current.gpu_compute_capability()),
+    reason="TensorFlow's XLA step on a CPU",
+)
 
 
 def _numpy(x):
@@ -300,7 +306,7 @@ def test_jax_select_form_copies_no_slot(monkeypatch, master_weights):
 
 
 @pytest.mark.perf
-@pytest.mark.skipif(BACKEND != "tensorflow", reason="TensorFlow's XLA step")
+@tensorflow_xla_on_cpu
 def test_xla_step_keeps_the_skip_a_conditional():
     """XLA would turn the skip into selects: the update on every step, and a
     copy of every weight and slot first. The compiled step must keep a conditional,
@@ -337,7 +343,7 @@ def test_xla_step_keeps_the_skip_a_conditional():
 
 
 @pytest.mark.perf
-@pytest.mark.skipif(BACKEND != "tensorflow", reason="TensorFlow's XLA step")
+@tensorflow_xla_on_cpu
 def test_xla_check_of_float32_gradients_reads_them_once():
     """Under XLA the float32 check is a sum of each gradient; the elementwise
     `all(isfinite(g))` (an elementwise pass written out, then a separate
@@ -356,7 +362,7 @@ def test_xla_check_of_float32_gradients_reads_them_once():
 
 
 @pytest.mark.perf
-@pytest.mark.skipif(BACKEND != "tensorflow", reason="TensorFlow's XLA step")
+@tensorflow_xla_on_cpu
 def test_xla_check_of_float16_gradients_reduces_rows_of_eight():
     """XLA's CPU backend reduces `isfinite` over rows of 8 values about twice
     as fast as over a layer's own shape; sizes that are not a multiple of 8 keep theirs."""
@@ -376,7 +382,7 @@ def test_xla_check_of_float16_gradients_reduces_rows_of_eight():
 
 
 @pytest.mark.perf
-@pytest.mark.skipif(BACKEND != "tensorflow", reason="TensorFlow's XLA step")
+@tensorflow_xla_on_cpu
 def test_xla_step_takes_half_precision_gradients_into_the_conditional_narrow():
     """Gradients cast up from float16 (a mixed policy's) must not be written
     out as float32 before the conditional (one more pass over every

@@ -52,6 +52,53 @@ def _half_nonzero_weights(model):
     return [v for v in _half_weights(model) if v.name in ("kernel", "gamma")]
 
 
+@pytest.mark.skipif(keras.backend.backend() == "torch", reason="XLA: TensorFlow and JAX")
+@pytest.mark.parametrize("master_weights", [True, "compensated"])
+def test_o3_fit_compiled_by_xla_from_the_first_step(master_weights):
+    """`jit_compile=True`, Keras's default for TensorFlow on a GPU.
+
+    Without a strategy TensorFlow builds the optimizer inside the first
+    traced step, so the master copies are made there; XLA refuses a variable
+    whose initial value reads a tensor of the step (a copy initialised from
+    its weight did: O3 failed on every TensorFlow GPU). The kernel has more
+    than 128 values, which TensorFlow would capture as a constant. The
+    compiled fit trains as the uncompiled one does.
+    """
+    x, y = _data()
+
+    def trained(jit_compile):
+        keras.utils.set_random_seed(0)
+        model = keras.Sequential(
+            [
+                keras.Input((6,)),
+                keras.layers.Dense(32, activation="relu", name="hidden"),
+                keras.layers.Dense(3, activation="softmax", name="out"),
+            ]
+        )
+        model.compile(
+            optimizer=keras.optimizers.Adam(1e-2),
+            loss="sparse_categorical_crossentropy",
+            amp_level="O3",
+            amp_dtype="bfloat16",
+            master_weights=master_weights,
+            jit_compile=jit_compile,
+        )
+        history = model.fit(x, y, batch_size=BATCH, epochs=2, shuffle=False, verbose=0)
+        return model, history.history["loss"]
+
+    model, losses = trained(True)
+    reference, reference_losses = trained(False)
+    assert np.isfinite(losses).all(), losses
+    np.testing.assert_allclose(losses, reference_losses, rtol=2e-2)
+    for got, want in zip(model.trainable_variables, reference.trainable_variables):
+        np.testing.assert_allclose(_numpy(got), _numpy(want), rtol=5e-2, atol=2e-2)
+    if master_weights is True:
+        copies = {v.name: v for v in model.optimizer.variables if v.dtype == "float32"}
+        for variable in _half_weights(model):
+            rounded = keras.ops.cast(copies[variable.name], variable.dtype)
+            np.testing.assert_array_equal(_numpy(variable), _numpy(rounded))
+
+
 @pytest.mark.parametrize("master_weights", [True, False, "compensated"])
 def test_updates_below_bfloat16_resolution_accumulate(master_weights):
     # SGD at 1e-4: each update is far below half a bfloat16 spacing of most

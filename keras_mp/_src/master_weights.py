@@ -65,9 +65,15 @@ class MasterWeights:
             variable = var_list[i]
             self.copies[i] = optimizer.add_variable(
                 shape=variable.shape,
-                # The variable's value at build time; restored from the
-                # optimizer's saved state, or reconciled at the first step.
-                initializer=_FromValue(variable),
+                # Zeros, then the variable's value: every step reconciles
+                # the copy first (zero rounds to zero, so where the variable
+                # is zero the copy already holds it), or the optimizer's
+                # saved state restores it. Not the variable's value here:
+                # TensorFlow builds the optimizer inside the first traced
+                # step, and a variable whose initial value reads another
+                # cannot be lifted out of it, which XLA (Keras's default on
+                # a GPU) refuses.
+                initializer="zeros",
                 dtype="float32",
                 name=variable.name,
                 layout=getattr(variable, "_layout", None),
@@ -173,11 +179,3 @@ def reconciled(copy, value):
     return ops.where(
         ops.equal(ops.cast(copy, value.dtype), value), copy, ops.cast(value, "float32")
     )
-
-
-class _FromValue(keras.initializers.Initializer):
-    def __init__(self, variable):
-        self.variable = variable
-
-    def __call__(self, shape, dtype=None):
-        return ops.cast(self.variable.value, dtype or "float32")
