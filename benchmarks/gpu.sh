@@ -32,7 +32,9 @@
 #   JOBS       pytest workers for `tests` (default 6)
 set -u
 cd "$(dirname "$0")/.."
-export PYTHONUNBUFFERED=1 XLA_PYTHON_CLIENT_PREALLOCATE=false TF_CPP_MIN_LOG_LEVEL=2
+# Several processes share the GPU (pytest workers): none may take all its memory.
+export PYTHONUNBUFFERED=1 XLA_PYTHON_CLIENT_PREALLOCATE=false TF_FORCE_GPU_ALLOW_GROWTH=true
+export TF_CPP_MIN_LOG_LEVEL=2
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
 OUT=${OUT:-gpu-results}
 JOBS=${JOBS:-6}
@@ -91,10 +93,11 @@ tests() {
     python3 -c "import xdist" 2>/dev/null || workers=()  # no pytest-xdist: one process
     for b in $BACKENDS; do
         echo "=== tests on $b ($(date +%T))"
-        KERAS_BACKEND=$b timeout 900 python3 -m pytest "${workers[@]}" -q -p no:cacheprovider tests \
-            > "$OUT/tests_$b.log" 2>&1
+        # -v: a run cut short by its time limit still names its failures.
+        KERAS_BACKEND=$b timeout 900 python3 -m pytest "${workers[@]}" -v --tb=short -rfE \
+            -p no:cacheprovider -p no:benchmark tests > "$OUT/tests_$b.log" 2>&1
         echo "rc=$?" >> "$OUT/tests_$b.log"
-        grep -E "FAILED|ERROR|^rc=| passed| failed" "$OUT/tests_$b.log" | tail -25
+        grep -E "FAILED|ERROR|^rc=| passed| failed" "$OUT/tests_$b.log" | tail -60
     done
 }
 
