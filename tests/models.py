@@ -6,14 +6,14 @@ import keras
 import numpy as np
 
 
-def dense_bn_classifier():
-    """6 features -> Dense(16, relu) "hidden" -> BatchNorm "bn" -> Dense(3,
-    softmax) "out", seeded: the same initial weights at every call."""
+def dense_bn_classifier(width=16):
+    """6 features -> Dense(width, relu) "hidden" -> BatchNorm "bn" ->
+    Dense(3, softmax) "out", seeded: the same initial weights at every call."""
     keras.utils.set_random_seed(0)
     return keras.Sequential(
         [
             keras.Input((6,)),
-            keras.layers.Dense(16, activation="relu", name="hidden"),
+            keras.layers.Dense(width, activation="relu", name="hidden"),
             keras.layers.BatchNormalization(name="bn"),
             keras.layers.Dense(3, activation="softmax", name="out"),
         ]

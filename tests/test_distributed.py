@@ -16,6 +16,8 @@ import pytest
 BACKEND = keras.backend.backend()
 WORKER = os.path.join(os.path.dirname(__file__), "distributed_worker.py")
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+# The names of the worker's `LEVELS` (it configures devices at import).
+LEVELS = ("O0", "O2", "O3", "O3-compensated")
 
 
 def _run(scenario, backend):
@@ -46,12 +48,12 @@ def test_tf_distribute(scenario):
     out = _run(scenario, "tensorflow")
     assert f"{scenario}" in out
     if scenario == "tf_fit":
-        for level in ("O0", "O2", "O3", "O3-compensated"):
+        for level in LEVELS:
             assert f"tf_fit {level}: ok" in out, out
 
 
 @pytest.mark.skipif(BACKEND != "jax", reason="keras.distribution on JAX")
 def test_jax_data_parallel():
     out = _run("jax_data_parallel", "jax")
-    for level in ("O0", "O2", "O3", "O3-compensated"):
+    for level in LEVELS:
         assert f"jax_data_parallel {level}: ok" in out, out

@@ -60,21 +60,15 @@ def test_o3_fit_compiled_by_xla_from_the_first_step(master_weights):
     Without a strategy TensorFlow builds the optimizer inside the first
     traced step, so the master copies are made there; XLA refuses a variable
     whose initial value reads a tensor of the step (a copy initialised from
-    its weight did: O3 failed on every TensorFlow GPU). The kernel has more
-    than 128 values, which TensorFlow would capture as a constant. The
-    compiled fit trains as the uncompiled one does.
+    its weight did: O3 failed on every TensorFlow GPU). The hidden kernel
+    has more than 128 values: TensorFlow captures a smaller tensor as a
+    constant, which would hide a copy initialised from a value read outside
+    the step. The compiled fit trains as the uncompiled one does.
     """
     x, y = _data()
 
     def trained(jit_compile):
-        keras.utils.set_random_seed(0)
-        model = keras.Sequential(
-            [
-                keras.Input((6,)),
-                keras.layers.Dense(32, activation="relu", name="hidden"),
-                keras.layers.Dense(3, activation="softmax", name="out"),
-            ]
-        )
+        model = models.dense_bn_classifier(width=32)
         model.compile(
             optimizer=keras.optimizers.Adam(1e-2),
             loss="sparse_categorical_crossentropy",
