@@ -30,6 +30,10 @@ import numpy as np  # noqa: E402
 if SCENARIO.startswith("tf"):
     import tensorflow as tf
 
+    # CPU replicas against a CPU reference, on a machine with a GPU too: the
+    # single-device run would otherwise take the GPU (TF32 matmuls, XLA by
+    # default) and differ from the replicas by more than rounding.
+    tf.config.set_visible_devices([], "GPU")
     if "TF_CONFIG" not in os.environ:  # multi-worker: one device per worker
         (cpu,) = tf.config.list_physical_devices("CPU")
         tf.config.set_logical_device_configuration(
