@@ -17,6 +17,8 @@
 #              O0, O2 and O3 against Keras's policies, on the GPU models
 #   masters    master_weights.py: memory and step time of O3's master weights
 #              and compensated updates against O0 and O2 (a 9M-weight MLP)
+#   profile    step_profile.py (JAX; TensorFlow with XLA): where the step's time
+#              goes, by kind of kernel, O0 against O2 and Keras's policies
 #   tf_levels  TensorFlow only: every level, float16 and bfloat16, XLA on and off,
 #              on ResNet50 and the transformer (needs TensorFlow's GPU build:
 #              ../shared/tools/tf-gpu-kit, then `. /tmp/tfgpu/env.sh`)
@@ -150,6 +152,17 @@ masters() {
     done
 }
 
+profile() {
+    for m in transformer_large mlp_large; do
+        local batch=64
+        [ $m = mlp_large ] && batch=2048
+        has jax && step 300 "profile_jax_$m" env KERAS_BACKEND=jax python3 step_profile.py \
+            --models $m --batch $batch
+        has tensorflow && step 300 "profile_tf_$m" env KERAS_BACKEND=tensorflow python3 \
+            step_profile.py --models $m --batch $batch --jit-compile true
+    done
+}
+
 # TensorFlow on the GPU (issue 27): every level in float16 and bfloat16 against
 # Keras's policies, with XLA and without, on ResNet50 and the transformer.
 TF_LEVELS=(O0 "O1 float16" "O2 float16" "O3 float16" "O1 bfloat16" "O2 bfloat16" "O3 bfloat16"
@@ -167,11 +180,12 @@ tf_levels() {
 }
 
 PARTS=("$@")
-[ ${#PARTS[@]} -gt 0 ] || PARTS=(sanity tests overhead forms census levels masters tf_levels)
+[ ${#PARTS[@]} -gt 0 ] || PARTS=(sanity tests overhead forms census levels profile masters tf_levels)
 for part in "${PARTS[@]}"; do
     case $part in
-        sanity|tests|overhead|forms|census|levels|masters|tf_levels) $part ;;
-        *) echo "unknown part: $part (sanity, tests, overhead, forms, census, levels, masters, tf_levels)"
+        sanity|tests|overhead|forms|census|levels|profile|masters|tf_levels) $part ;;
+        *) echo "unknown part: $part (sanity, tests, overhead, forms, census, levels, profile," \
+            "masters, tf_levels)"
             exit 2 ;;
     esac
 done

@@ -270,7 +270,7 @@ def test_keras_hub_model_with_its_own_dtype_trains_at_a_level(form):
     before = [_np(v) for v in model.trainable_variables]
     history = model.fit(x, y, batch_size=2, epochs=1, verbose=0)
     assert np.isfinite(history.history["loss"]).all()
-    assert history.history["skipped_steps"][-1] < 4
+    assert history.history["skipped_steps"][-1] <= 1
     after = [_np(v) for v in model.trainable_variables]
     assert any(not np.array_equal(a, b) for a, b in zip(after, before))
 
