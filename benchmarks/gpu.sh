@@ -32,6 +32,9 @@
 #              README's `pip download` command) to install first under
 #              /tmp/keras-mp-site, for a machine without Keras
 #   JOBS       pytest workers for `tests` (default 6)
+#   TF_MODELS, TF_XLA, TF_ROUNDS
+#              tf_levels' models (default "transformer_large cnn_large", the
+#              latter ResNet50), XLA settings (default "true false") and rounds (3)
 set -u
 cd "$(dirname "$0")/.."
 # Several processes share the GPU (pytest workers): none may take all its memory.
@@ -169,13 +172,13 @@ TF_LEVELS=(O0 "O1 float16" "O2 float16" "O3 float16" "O1 bfloat16" "O2 bfloat16"
     "keras mixed_float16" "keras mixed_bfloat16")
 tf_levels() {
     has tensorflow || { echo "tf_levels: TensorFlow sees no GPU"; return 0; }
-    for jit in true false; do
-        step 300 "tf_levels_transformer_xla_$jit" env KERAS_BACKEND=tensorflow python3 \
-            amp_levels.py --models transformer_large --batch 64 --rounds 5 --jit-compile $jit \
-            --configs "${TF_LEVELS[@]}"
-        step 300 "tf_levels_resnet50_xla_$jit" env KERAS_BACKEND=tensorflow python3 \
-            amp_levels.py --models cnn_large --batch 64 --rounds 3 --jit-compile $jit \
-            --configs "${TF_LEVELS[@]}"
+    local jit m
+    for jit in ${TF_XLA:-true false}; do
+        for m in ${TF_MODELS:-transformer_large cnn_large}; do
+            step 300 "tf_levels_${m}_xla_$jit" env KERAS_BACKEND=tensorflow python3 \
+                amp_levels.py --models "$m" --batch 64 --rounds "${TF_ROUNDS:-3}" \
+                --jit-compile $jit --configs "${TF_LEVELS[@]}"
+        done
     done
 }
 

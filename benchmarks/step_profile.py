@@ -42,6 +42,18 @@ _KIND_PATTERNS = (
 )
 
 
+_DERIVED = {
+    "XLA Modules",
+    "XLA Ops",
+    "XLA TraceMe",
+    "TensorFlow Ops",
+    "TensorFlow Name Scope",
+    "Framework Name Scope",
+    "Steps",
+    "Source code",
+}
+
+
 def kind_of(kernel_name):
     """The kind of work a kernel's name says it does (see KINDS)."""
     for kind, pattern in _KIND_PATTERNS:
@@ -71,11 +83,11 @@ def device_kernels(xplane_path):
     for plane in ProfileData.from_file(xplane_path).planes:
         if not plane.name.startswith("/device:GPU"):
             continue
-        for line in plane.lines:
-            # CUPTI's activity lines: one per stream (TensorFlow also adds
-            # per-op summary lines, which would count a kernel twice).
-            if not line.name.startswith("Stream"):
-                continue
+        lines = list(plane.lines)
+        # CUPTI's activity lines, one per stream; the profiler also derives
+        # lines of ops and modules from them, which would count a kernel twice.
+        streams = [line for line in lines if line.name.startswith("Stream")]
+        for line in streams or [line for line in lines if line.name not in _DERIVED]:
             kernels += [(e.name, e.start_ns, e.duration_ns) for e in line.events]
     return kernels
 
