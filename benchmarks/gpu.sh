@@ -32,6 +32,7 @@
 #              README's `pip download` command) to install first under
 #              /tmp/keras-mp-site, for a machine without Keras
 #   JOBS       pytest workers for `tests` (default 6)
+#   TESTS_LIMIT  seconds for each backend's suite in `tests` (default 900)
 #   TF_MODELS, TF_XLA, TF_ROUNDS
 #              tf_levels' models (default "transformer_large cnn_large", the
 #              latter ResNet50), XLA settings (default "true false") and rounds (3)
@@ -99,7 +100,7 @@ tests() {
     for b in $BACKENDS; do
         echo "=== tests on $b ($(date +%T))"
         # -v: a run cut short by its time limit still names its failures.
-        KERAS_BACKEND=$b timeout 900 python3 -m pytest "${workers[@]}" -v --tb=short -rfE \
+        KERAS_BACKEND=$b timeout "${TESTS_LIMIT:-900}" python3 -m pytest "${workers[@]}" -v --tb=short -rfE \
             -p no:cacheprovider -p no:benchmark tests > "$OUT/tests_$b.log" 2>&1
         echo "rc=$?" >> "$OUT/tests_$b.log"
         grep -E "FAILED|ERROR|^rc=| passed| failed" "$OUT/tests_$b.log" | tail -60
