@@ -32,7 +32,9 @@
 #              README's `pip download` command) to install first under
 #              /tmp/keras-mp-site, for a machine without Keras
 #   JOBS       pytest workers for `tests` (default 6)
-#   TESTS_LIMIT  seconds for each backend's suite in `tests` (default 900)
+#   TESTS_LIMIT, RERUN_LIMIT
+#              seconds for each backend's suite in `tests` (default 900), and
+#              for the deterministic rerun of its failures (default 300)
 #   TF_MODELS, TF_XLA, TF_ROUNDS
 #              tf_levels' models (default "transformer_large cnn_large", the
 #              latter ResNet50), XLA settings (default "true false") and rounds (3)
@@ -112,8 +114,8 @@ tests() {
         [ ${#failed[@]} -gt 0 ] || continue
         echo "=== the ${#failed[@]} failures on $b, deterministic ($(date +%T))"
         KERAS_BACKEND=$b TF_DETERMINISTIC_OPS=1 XLA_FLAGS="${XLA_FLAGS:-} --xla_gpu_deterministic_ops=true" \
-            timeout 300 python3 -m pytest "${workers[@]}" -v --tb=short -rfE -p no:cacheprovider \
-            -p no:benchmark "${failed[@]}" > "$OUT/tests_${b}_deterministic.log" 2>&1
+            timeout "${RERUN_LIMIT:-300}" python3 -m pytest "${workers[@]}" -v --tb=short -rfE \
+            -p no:cacheprovider -p no:benchmark "${failed[@]}" > "$OUT/tests_${b}_deterministic.log" 2>&1
         echo "rc=$?" >> "$OUT/tests_${b}_deterministic.log"
         grep -E "PASSED|FAILED|ERROR|^rc=| passed| failed" "$OUT/tests_${b}_deterministic.log" | tail -40
     done
