@@ -32,6 +32,7 @@
 #              README's `pip download` command) to install first under
 #              /tmp/keras-mp-site, for a machine without Keras
 #   JOBS       pytest workers for `tests` (default 6)
+#   TESTS_PATHS  what `tests` runs (default "tests"; e.g. "tests/zoo" for a part)
 #   TESTS_LIMIT, RERUN_LIMIT
 #              seconds for each backend's suite in `tests` (default 900), and
 #              for the deterministic rerun of its failures (default 300)
@@ -103,7 +104,7 @@ tests() {
         echo "=== tests on $b ($(date +%T))"
         # -v: a run cut short by its time limit still names its failures.
         KERAS_BACKEND=$b timeout "${TESTS_LIMIT:-900}" python3 -m pytest "${workers[@]}" -v --tb=short -rfE \
-            -p no:cacheprovider -p no:benchmark tests > "$OUT/tests_$b.log" 2>&1
+            -p no:cacheprovider -p no:benchmark ${TESTS_PATHS:-tests} > "$OUT/tests_$b.log" 2>&1
         echo "rc=$?" >> "$OUT/tests_$b.log"
         grep -E "FAILED|ERROR|^rc=| passed| failed" "$OUT/tests_$b.log" | tail -60
         # The failures again, with the GPU's sources of run-to-run differences
