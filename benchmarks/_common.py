@@ -3,6 +3,9 @@
 import statistics
 import time
 
+# `--jit-compile`'s values, as `compile(jit_compile=...)` takes them.
+JIT_COMPILE = {"auto": "auto", "true": True, "false": False}
+
 
 def fastest_decile(samples):
     """Mean of the fastest tenth of the samples (at least one).

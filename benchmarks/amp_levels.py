@@ -26,6 +26,7 @@ import subprocess
 import sys
 
 import _checkout  # noqa: F401  (this checkout's keras_mp, not an installed one)
+from _common import JIT_COMPILE
 from lso_overhead import _calibrated_steps
 from lso_overhead import _steady_state_timer
 
@@ -201,11 +202,11 @@ def main():
     parser.add_argument(
         "--jit-compile",
         default="auto",
-        choices=["auto", "true", "false"],
+        choices=list(JIT_COMPILE),
         help="`compile(jit_compile=...)`: XLA on or off (TensorFlow: compare both)",
     )
     args = parser.parse_args()
-    jit_compile = {"auto": "auto", "true": True, "false": False}[args.jit_compile]
+    jit_compile = JIT_COMPILE[args.jit_compile]
     if args.all:
         print(HEADER)
         for backend in args.backends:

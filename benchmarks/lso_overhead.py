@@ -29,6 +29,7 @@ import sys
 import time
 
 import _checkout  # noqa: F401  (this checkout's keras_mp, not an installed one)
+from _common import JIT_COMPILE
 from _common import fastest_decile
 from _common import without_telemetry
 
@@ -223,7 +224,7 @@ def main():
     parser.add_argument(
         "--jit-compile",
         default="auto",
-        choices=["auto", "true", "false"],
+        choices=list(JIT_COMPILE),
         help="as `compile(jit_compile=...)`; `auto` is graph mode for TF on a CPU, XLA on a GPU",
     )
     args = parser.parse_args()
@@ -266,7 +267,7 @@ def main():
             )
         return
     print(HEADER)
-    jit = {"auto": "auto", "true": True, "false": False}[args.jit_compile]
+    jit = JIT_COMPILE[args.jit_compile]
     for r in run_one_backend(args.rounds, args.steps, args.batch, args.policies, args.models, jit):
         print(_row(r), flush=True)
 

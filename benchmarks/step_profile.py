@@ -27,10 +27,11 @@ import glob
 import re
 import statistics
 import tempfile
-import time
 
 import _checkout  # noqa: F401  (this checkout's keras_mp, not an installed one)
 import amp_levels
+from _common import JIT_COMPILE
+from lso_overhead import _steady_state_timer
 
 CONFIGS = ("O0", "O0 no TF32", "O2 float16", "keras mixed_float16", "O2 bfloat16")
 KINDS = ("matmul", "attention", "conv", "copy", "other")
@@ -92,13 +93,17 @@ def device_kernels(xplane_path):
     return kernels
 
 
-def summarize(kernels, steps, wall_s):
-    """Milliseconds per step by kind, busy and idle; kernels per step."""
+def summarize(kernels, steps, step_s):
+    """Milliseconds per step by kind, busy and idle; kernels per step.
+
+    `kernels` are those of an epoch of `steps` steps; `step_s` is the wall
+    time of one step.
+    """
     per_kind = dict.fromkeys(KINDS, 0.0)
     for name, _, duration in kernels:
         per_kind[kind_of(name)] += duration / 1e6 / steps
     busy = _union_ns([(s, s + d) for _, s, d in kernels]) / 1e6 / steps
-    step = wall_s * 1e3 / steps
+    step = step_s * 1e3
     return dict(
         per_kind, step=step, busy=busy, idle=max(step - busy, 0.0), kernels=len(kernels) / steps
     )
@@ -152,11 +157,12 @@ def profile(model_name, configs, batch, steps, rounds, jit_compile):
             y = rng.integers(0, 10, size=(steps * batch,))
             for _ in range(2):  # compiled, then warm
                 model.fit(x, y, batch_size=batch, epochs=1, verbose=0)
-            walls = []
+            # Seconds per step after the first two, `fit`'s set-up not counted.
+            timer = _steady_state_timer(keras)(skip=2)
+            per_step = []
             for _ in range(rounds):
-                start = time.perf_counter()
-                model.fit(x, y, batch_size=batch, epochs=1, verbose=0)
-                walls.append(time.perf_counter() - start)
+                model.fit(x, y, batch_size=batch, epochs=1, verbose=0, callbacks=[timer])
+                per_step.append(timer.per_step)
             with tempfile.TemporaryDirectory() as logdir:
                 stop = _trace(keras, logdir)
                 model.fit(x, y, batch_size=batch, epochs=1, verbose=0)
@@ -166,7 +172,7 @@ def profile(model_name, configs, batch, steps, rounds, jit_compile):
         if not kernels:  # no GPU, or the profiler found no CUPTI (libcupti)
             print(f"# {model_name} {config}: the trace holds no GPU kernels", flush=True)
             continue
-        rows[config] = summarize(kernels, steps, statistics.median(walls))
+        rows[config] = summarize(kernels, steps, statistics.median(per_step))
         print(f"# {model_name} {config}: done", flush=True)
     return rows
 
@@ -202,26 +208,30 @@ def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     models = amp_levels.MODELS + amp_levels.GPU_MODELS
     parser.add_argument("--models", nargs="+", default=["transformer_large"], choices=models)
-    parser.add_argument("--configs", nargs="+", default=list(CONFIGS), metavar="CONFIG")
+    parser.add_argument(
+        "--configs",
+        nargs="+",
+        default=list(CONFIGS),
+        choices=amp_levels.CONFIGS + ("O0 no TF32",),
+        metavar="CONFIG",
+    )
     parser.add_argument("--batch", type=int, default=64)
     parser.add_argument("--steps", type=int, default=20, help="steps per epoch (traced: one)")
-    parser.add_argument("--rounds", type=int, default=5, help="untimed epochs for the step time")
+    parser.add_argument("--rounds", type=int, default=5, help="timed epochs for the step time")
     parser.add_argument(
-        "--jit-compile", default="auto", choices=["auto", "true", "false"], help="TensorFlow"
+        "--jit-compile", default="auto", choices=list(JIT_COMPILE), help="TensorFlow"
     )
     args = parser.parse_args()
-    allowed = set(amp_levels.CONFIGS) | {"O0 no TF32"}
-    for config in args.configs:
-        if config not in allowed:
-            parser.error(f"--configs: {config!r} is not one of {sorted(allowed)}")
-    for name in ("batch", "steps", "rounds"):
+    if args.steps < 3:  # the timer skips the first two steps of an epoch
+        parser.error(f"--steps must be at least 3, got {args.steps}")
+    for name in ("batch", "rounds"):
         if getattr(args, name) < 1:
             parser.error(f"--{name} must be a positive number, got {getattr(args, name)}")
     import keras
 
     if keras.backend.backend() not in ("jax", "tensorflow"):
         parser.error("the profile is JAX's or TensorFlow's (KERAS_BACKEND=jax|tensorflow)")
-    jit_compile = {"auto": "auto", "true": True, "false": False}[args.jit_compile]
+    jit_compile = JIT_COMPILE[args.jit_compile]
     for model_name in args.models:
         rows = profile(model_name, args.configs, args.batch, args.steps, args.rounds, jit_compile)
         print_table(model_name, rows)
