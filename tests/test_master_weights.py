@@ -46,6 +46,12 @@ def _half_weights(model):
     return [v for v in model.trainable_variables if v.dtype in ("float16", "bfloat16")]
 
 
+def _master_copies(model):
+    """The optimizer's float32 variables by name: a half variable's copy has
+    its variable's name (the test models' half variables have distinct names)."""
+    return {v.name: v for v in model.optimizer.variables if v.dtype == "float32"}
+
+
 def _half_nonzero_weights(model):
     # Weights that start away from 0 (kernels, BatchNorm's gamma): near 0 a
     # half dtype's spacing is tiny and any update moves a weight.
@@ -87,7 +93,7 @@ def test_o3_fit_compiled_by_xla_from_the_first_step(master_weights):
     for got, want in zip(model.trainable_variables, reference.trainable_variables):
         np.testing.assert_allclose(_numpy(got), _numpy(want), rtol=5e-2, atol=2e-2)
     if master_weights is True:
-        copies = {v.name: v for v in model.optimizer.variables if v.dtype == "float32"}
+        copies = _master_copies(model)
         for variable in _half_weights(model):
             rounded = keras.ops.cast(copies[variable.name], variable.dtype)
             np.testing.assert_array_equal(_numpy(variable), _numpy(rounded))
@@ -110,7 +116,7 @@ def test_updates_below_bfloat16_resolution_accumulate(master_weights):
     started = {v.path.split("/", 1)[1]: _numpy(v) for v in _half_nonzero_weights(model)}
     assert started, "O3 made no variable half"
     fit(model)
-    copies = {v.name: v for v in model.optimizer.variables if v.dtype == "float32"}
+    copies = _master_copies(model)
     buffers = {v.name: v for v in model.optimizer.variables if v.name.endswith("_compensation")}
     for variable in _half_nonzero_weights(model):
         key = variable.path.split("/", 1)[1]
