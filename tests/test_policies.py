@@ -276,21 +276,88 @@ def test_any_level_and_dtype_is_accepted_or_named(level, dtype):
     assert str(level).upper() in keras_mp.LEVELS and dtype in keras_mp.HALF_DTYPES
 
 
-@pytest.mark.parametrize("level", ["O1", "O2", "O3"])
-def test_quantized_policies_are_kept(level):
-    """KerasHub's int8/float8 layers keep their quantized policy."""
+@pytest.mark.parametrize(
+    "convert",
+    [
+        lambda m: keras_mp.apply_amp(m, "O1"),
+        lambda m: keras_mp.apply_amp(m, "O2"),
+        lambda m: keras_mp.apply_amp(m, "O3", "bfloat16"),
+        lambda m: keras_mp.to_float(m, "float16"),
+    ],
+    ids=["O1", "O2", "O3-bfloat16", "to_float"],
+)
+def test_quantized_policies_are_kept(convert):
+    """KerasHub's int8/float8 layers keep their quantized policy, and compute
+    what they computed (a float policy on an int8 kernel gives garbage)."""
+    keras.utils.set_random_seed(0)
     model = keras.Sequential(
         [keras.Input((8,)), keras.layers.Dense(16, name="q"), keras.layers.Dense(2, name="head")]
     )
     model.get_layer("q").quantize("int8")
     quantized = model.get_layer("q").dtype_policy.name
     assert model.get_layer("q").dtype_policy.quantization_mode == "int8"
-    keras_mp.apply_amp(model, level)
+    x = np.random.default_rng(0).normal(size=(4, 8)).astype("float32")
+    before = keras.ops.convert_to_numpy(model(x))
+    convert(model)
     assert model.get_layer("q").dtype_policy.name == quantized
     rule = {r["layer"].split("/")[-1]: r["rule"] for r in keras_mp.precision_summary(model).rows}
     assert rule["q"].startswith("quantized")
-    out = model(np.ones((2, 8), "float32"))
-    assert keras.backend.standardize_dtype(out.dtype) == "float32"
+    out = model(x)
+    assert keras.backend.standardize_dtype(out.dtype) in ("float32", "float16")
+    np.testing.assert_allclose(keras.ops.convert_to_numpy(out), before, rtol=0.05, atol=0.05)
+
+
+def _preprocessing_model():
+    """A model with Keras's categorical preprocessing layers inside, and a
+    model of its preprocessing outputs alone (the same layers).
+
+    Hashing and HashedCrossing run TensorFlow ops, which JAX cannot trace:
+    there, the model has the encoding and the bins only.
+    """
+    keras.utils.set_random_seed(0)
+    L = keras.layers
+    ids = keras.Input((3,), dtype="int64")
+    values = keras.Input((2,))
+    bins = L.Discretization(bin_boundaries=[-0.5, 0.0, 0.5], name="bins")(values)
+    counts = L.CategoryEncoding(4, output_mode="count", name="counts")(bins)
+    features, exact = [counts], [bins, counts]
+    if BACKEND != "jax":
+        # Bins past 2048 (float16) and 256 (bfloat16) round in half.
+        hashed = L.Hashing(2**16, name="hash")(ids)
+        crossed = L.HashedCrossing(2**16, name="cross")((ids[:, 0], ids[:, 1]))
+        multi_hot = L.Hashing(8, output_mode="multi_hot", name="multi_hot")(ids)
+        embedded = L.Flatten()(L.Embedding(2**16, 2, name="embed")(hashed))
+        features += [multi_hot, embedded, L.Embedding(2**16, 2, name="embed_cross")(crossed)]
+        exact += [hashed, crossed, multi_hot]
+    hidden = L.Dense(8, activation="relu", name="hidden")(L.Concatenate()(features))
+    out = L.Dense(1, name="out")(hidden)
+    return keras.Model([ids, values], out), keras.Model([ids, values], exact)
+
+
+@pytest.mark.parametrize("half", ["float16", "bfloat16"])
+@pytest.mark.parametrize("level", ["O1", "O2", "O3"])
+def test_preprocessing_layers_keep_exact_outputs_and_train(level, half):
+    """Hash bins, counts and bins are the float32 model's, bit for bit and in
+    its dtypes, at every level; the model trains (at O3 TensorFlow had no
+    half bincount for `Hashing(output_mode="multi_hot")`)."""
+    model, preprocessing = _preprocessing_model()
+    rng = np.random.default_rng(0)
+    x = [rng.integers(0, 10**6, (16, 3)), rng.normal(size=(16, 2)).astype("float32")]
+    y = rng.normal(size=(16, 1)).astype("float32")
+    reference = [keras.ops.convert_to_numpy(t) for t in preprocessing(x)]
+    model.compile(optimizer="adam", loss="mse", amp_level=level, amp_dtype=half)
+    outputs = [keras.ops.convert_to_numpy(t) for t in preprocessing(x)]
+    for name, got, want in zip(
+        ("bins", "counts", "hash", "cross", "multi_hot"), outputs, reference
+    ):
+        assert got.dtype == want.dtype, name
+        np.testing.assert_array_equal(got, want, err_msg=name)
+    history = model.fit(x, y, batch_size=8, epochs=1, verbose=0)
+    assert np.isfinite(history.history["loss"][-1])
+    rules = {r["layer"].split("/")[-1]: r["rule"] for r in keras_mp.precision_summary(model).rows}
+    assert rules["counts"] == "indices, counts and bins: float32 at every level"
+    if BACKEND != "jax":
+        assert rules["hash"] == "int64 outputs: kept"
 
 
 def test_boundary_rule_gives_the_caller_one_dtype():

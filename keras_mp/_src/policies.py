@@ -255,6 +255,44 @@ def _cast_half_or_float32(x, dtype):
     return y
 
 
+# Keras's categorical and text preprocessing layers: their outputs are
+# indices, one-hot vectors, counts and bins, exact in float32. In half, hash
+# bins and vocabulary indices above 2048 (float16) or 256 (bfloat16) round
+# to their neighbours', bin boundaries move, and TensorFlow's bincount has
+# no half kernel. Keras pins most of them to `floatx()` under any global
+# policy; keras_mp keeps them in float32 at every level.
+_EXACT_PREPROCESSING = tuple(
+    getattr(L, name)
+    for name in (
+        "CategoryEncoding",
+        "Discretization",
+        "HashedCrossing",
+        "Hashing",
+        "IntegerLookup",
+        "StringLookup",
+        "TextVectorization",
+    )
+    if hasattr(L, name)
+) + ((keras.utils.FeatureSpace,) if hasattr(keras.utils, "FeatureSpace") else ())
+
+
+def _kept_rule(layer):
+    """The rule that keeps `layer`'s own policy at every level, or None.
+
+    A quantized layer (its kernel is int8 or float8) and a layer that
+    computes in a dtype that is not a float (Hashing's int64 bins,
+    StringLookup's strings, a user's `dtype="int32"`) keep theirs: a float
+    policy would change what they compute, not its precision.
+    """
+    policy = layer.dtype_policy
+    if policy.quantization_mode is not None:
+        return f"quantized ({policy.name}): kept"
+    compute = keras.backend.standardize_dtype(layer.compute_dtype)
+    if not keras.backend.is_float_dtype(compute):
+        return f"{compute} outputs: kept"
+    return None
+
+
 def _is_batchnorm(layer):
     return isinstance(layer, L.BatchNormalization)
 
@@ -268,6 +306,8 @@ def _decide(layer, level, half, keep_batchnorm_fp32, allow, deny, outputs, insid
     mixed = f"mixed_{half}"
     if any(layer is o for o in outputs):
         return "float32", "model output: float32"
+    if isinstance(layer, _EXACT_PREPROCESSING):
+        return "float32", "indices, counts and bins: float32 at every level"
     if isinstance(layer, L.Normalization):
         # Fixed statistics (`adapt`ed, not trained), converted to the compute
         # dtype when built: in half they would change on every reload.
@@ -403,8 +443,10 @@ def apply_amp(
     and the loss are float32. Inside a layer that calls other layers, a
     sublayer whose compute dtype differs from its caller's returns its
     outputs in the caller's dtype, so the caller's own arithmetic sees one
-    dtype. `keras.layers.Normalization` stays float32 at every level, and
-    quantized policies are kept.
+    dtype. `keras.layers.Normalization` and the categorical preprocessing
+    layers (`Hashing`, `StringLookup`, `CategoryEncoding`, ...) stay float32
+    at every level; quantized policies, and policies that compute in a
+    dtype other than a float (int64 hash bins, strings), are kept.
 
     Args:
         model: a Keras model (Sequential, functional or subclassed) or layer,
@@ -462,8 +504,9 @@ def apply_amp(
             id(parent) in inside_allowed or (not _is_container(parent) and _matches(parent, allow))
         ):
             inside_allowed.add(id(layer))
-        if layer.dtype_policy.quantization_mode is not None:
-            policy, rule = None, f"quantized ({layer.dtype_policy.name}): kept"
+        kept = _kept_rule(layer)
+        if kept is not None:
+            policy, rule = None, kept
         elif _is_subclassed(layer) and (layer is model or any(layer is o for o in outputs)):
             # Its `call` is the model's forward pass: inputs arrive and
             # outputs leave in float32; the layers inside follow the level.
@@ -544,7 +587,10 @@ def to_float(layer_or_model, dtype):
     As MindSpore's `Cell.to_float`: `"float16"` or `"bfloat16"` gives the layer
     (and every layer inside it) half compute with float32 variables
     (`mixed_float16` / `mixed_bfloat16`); `"float32"` puts it back in full
-    precision. Other layers are untouched.
+    precision. Other layers are untouched. Inside the layer, as with
+    `apply_amp`, quantized layers and layers that compute in a dtype other
+    than a float keep their policies, and the categorical preprocessing
+    layers stay float32.
 
     Args:
         layer_or_model: a Keras layer or model.
@@ -561,7 +607,16 @@ def to_float(layer_or_model, dtype):
         )
     policy = "float32" if name == "float32" else f"mixed_{name}"
     rule = f"to_float({name!r})"
-    _set_policies(layer_or_model, [(layer, (policy, rule)) for layer in _layers(layer_or_model)])
+    decisions = []
+    for layer in _layers(layer_or_model):
+        kept = _kept_rule(layer)
+        if kept is not None:
+            decisions.append((layer, (None, kept)))
+        elif isinstance(layer, _EXACT_PREPROCESSING):
+            decisions.append((layer, ("float32", f"{rule}: indices, counts and bins in float32")))
+        else:
+            decisions.append((layer, (policy, rule)))
+    _set_policies(layer_or_model, decisions)
     # One dtype inside: no sublayer casts its outputs any more. What the
     # layer itself returns to its caller is left as it was.
     _set_boundaries(layer_or_model)
@@ -619,7 +674,7 @@ def _is_container(layer):
 def _set_policy(layer, policy_name, rule):
     """Sets the policy; returns whether a built layer's variables changed.
 
-    `policy_name` None keeps the layer's policy (a quantized one).
+    `policy_name` None keeps the layer's policy (`_kept_rule`).
     """
     object.__setattr__(layer, _RULE_ATTRIBUTE, rule)
     if policy_name is None:
