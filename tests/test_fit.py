@@ -131,6 +131,45 @@ def test_fit_grows_the_scale(mode):
     assert int(_numpy(optimizer.good_steps)) == 0
 
 
+@pytest.mark.skipif(BACKEND == "torch", reason="Keras runs one step per execution on PyTorch")
+@pytest.mark.parametrize("mode", MODES)
+def test_steps_per_execution_steps_the_scale_per_batch(mode):
+    """`steps_per_execution=3` runs three steps in one compiled call: the
+    scale grows, backs off and skips per batch, as with one step a call."""
+    x, y = _data(with_nan=True)
+    runs = []
+    for steps_per_execution in (1, 3):
+        model = _model("mixed_float16")
+        optimizer = keras_mp.LossScaleOptimizer(
+            keras.optimizers.Adam(1e-2), initial_scale=2.0**10, dynamic_growth_steps=2
+        )
+        model.compile(
+            optimizer=optimizer,
+            loss="sparse_categorical_crossentropy",
+            jit_compile=(mode == "jit"),
+            steps_per_execution=steps_per_execution,
+        )
+        history = model.fit(x, y, batch_size=BATCH, epochs=1, shuffle=False, verbose=0)
+        state = [
+            float(_numpy(v))
+            for v in (
+                optimizer.loss_scale,
+                optimizer.good_steps,
+                optimizer.skipped_steps,
+                optimizer.iterations,
+            )
+        ]
+        runs.append((model.get_weights(), state, history.history))
+    (weights, state, history), (weights_3, state_3, history_3) = runs
+    # Batches 0-1 grow the scale to 2**11; the NaN batch 2 backs it off to
+    # 2**10 and is skipped; batches 3-4 grow it to 2**11; batch 5 counts one.
+    assert state == state_3 == [2.0**11, 1.0, 1.0, 5.0]
+    assert history["loss_scale"] == history_3["loss_scale"] == [2.0**11]
+    assert history["skipped_steps"] == history_3["skipped_steps"] == [1.0]
+    for got, want in zip(weights_3, weights):
+        np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
+
+
 def test_fit_with_embedding_gradients():
     """Embedding gradients are sparse (tf.IndexedSlices) on TensorFlow."""
     rng = np.random.default_rng(0)
