@@ -76,11 +76,22 @@ _FUSED_ATTENTION = tuple(
     getattr(L, name) for name in ("MultiHeadAttention", "GroupedQueryAttention") if hasattr(L, name)
 )
 
+
 # Packages whose composite layers are written for Keras's mixed policies (they
 # run under them in production): at O2 they compute in half. A layer defined
 # anywhere else that contains other layers computes its own arithmetic in
 # float32 at O2 in float16 (see `_runs_unknown_arithmetic`).
 _MIXED_PRECISION_AWARE_PACKAGES = ("keras", "keras_hub", "keras_nlp", "keras_cv", "keras_rs")
+
+
+def _is_attention(layer):
+    """Keras's attention layers, and KerasHub's (`LlamaAttention`, ...): the
+    ones that call `ops.dot_product_attention` in their own `call`."""
+    return isinstance(layer, _FUSED_ATTENTION) or (
+        type(layer).__name__.endswith("Attention")
+        and type(layer).__module__.split(".", 1)[0] in _MIXED_PRECISION_AWARE_PACKAGES
+    )
+
 
 _RULE_ATTRIBUTE = "_keras_mp_rule"
 _CASTS_ATTRIBUTE = "_keras_mp_boundary_casts"
@@ -297,11 +308,14 @@ def _is_batchnorm(layer):
     return isinstance(layer, L.BatchNormalization)
 
 
-def _decide(layer, level, half, keep_batchnorm_fp32, allow, deny, outputs, inside_allowed):
+def _decide(
+    layer, level, half, keep_batchnorm_fp32, allow, deny, outputs, inside_allowed, parent=None
+):
     """(policy name, rule) for one layer at a level.
 
     `inside_allowed`: the layer sits inside an allow-listed layer (O1), whose
-    sublayers compute with it, but for the deny-list.
+    sublayers compute with it, but for the deny-list. `parent`: the layer
+    that calls it, if any.
     """
     mixed = f"mixed_{half}"
     if any(layer is o for o in outputs):
@@ -314,21 +328,26 @@ def _decide(layer, level, half, keep_batchnorm_fp32, allow, deny, outputs, insid
         return "float32", "input statistics: float32 at every level"
     if level.half_compute == "none":
         return "float32", f"{level.name}: float32"
-    if isinstance(layer, _FUSED_ATTENTION) and backends.current.half_attention_needs_float32(half):
+    user_allowed = _matches(layer, allow[len(ALLOW_LIST) :])
+    if _is_attention(layer) and backends.current.half_attention_needs_float32(half):
         _warn_jax_cpu_attention_once()
         return "float32", f"{level.name}: attention on JAX's CPU, float32 (no float16 dot there)"
     if (
         half == "float16"
         and level.half_compute in ("allow", "deny")
         and type(layer).__name__ in _MASKS_BEYOND_FLOAT16
-        and not _matches(layer, allow[len(ALLOW_LIST) :])
+        and not user_allowed
     ):
         return "float32", f"{level.name}: masks with -1e9, own arithmetic in float32"
+    if _is_router(layer, parent) and not user_allowed:
+        return "float32", f"{level.name}: expert router, float32"
+    if level.half_compute in ("deny", "all") and _routes_experts(layer) and not user_allowed:
+        return "float32", f"{level.name}: expert routing in float32 (experts in half)"
     if (
         half == "float16"
         and level.half_compute == "deny"
         and _runs_unknown_arithmetic(layer)
-        and not _matches(layer, allow[len(ALLOW_LIST) :])
+        and not user_allowed
     ):
         return "float32", f"{level.name}: own arithmetic in float32 (your layer; allow= for half)"
     if level.half_compute == "allow":
@@ -353,6 +372,40 @@ def _decide(layer, level, half, keep_batchnorm_fp32, allow, deny, outputs, insid
 # float16 (`0 * -inf` is NaN): NaN under Keras's `mixed_float16`. Their
 # projections still compute in half; their own arithmetic in float32.
 _MASKS_BEYOND_FLOAT16 = frozenset({"T5MultiHeadAttention"})
+
+
+def _routes_experts(layer):
+    """A mixture-of-experts block: KerasHub's `...SparseMoeBlock`, `...MoEBlock`.
+
+    Its own `call` routes: router softmax, top-k, the routing weights and the
+    load-balancing loss. Routing in half is unstable (Switch Transformer's
+    "selective precision" keeps the router in float32), and KerasHub's
+    load-balancing loss multiplies the half routing weights by a float32
+    padding mask, which TensorFlow refuses (Keras's own mixed policies fail
+    there). Its sublayers, the router's projection and the experts,
+    compute in half as the level says.
+    """
+    return type(layer).__name__.endswith(("MoeBlock", "MoEBlock"))
+
+
+def _is_router(layer, parent):
+    """A mixture-of-experts router: a `...Router` layer, or the projection of
+    an expert block to one logit per expert.
+
+    In half, near ties between experts' logits round to the same value and
+    top-k picks another expert: the output jumps. The projection is tiny
+    (hidden size x experts); Switch Transformer computes it in float32.
+    """
+    if type(layer).__name__.endswith("Router"):
+        return True
+    experts = getattr(parent, "num_experts", None)
+    return (
+        parent is not None
+        and _routes_experts(parent)
+        and isinstance(layer, L.Dense)
+        and experts is not None
+        and layer.units == experts
+    )
 
 
 def _runs_unknown_arithmetic(layer):
@@ -382,8 +435,9 @@ def _warn_jax_cpu_attention_once():
     warnings.warn(
         "keras_mp: JAX's CPU backend has no float16 x float16 -> float32 "
         "matmul, which Keras's dot_product_attention needs; attention layers "
-        "(MultiHeadAttention, GroupedQueryAttention) compute in float32 here, "
-        "their projections in float16. On a GPU they compute in float16.",
+        "(MultiHeadAttention, GroupedQueryAttention, KerasHub's) compute in "
+        "float32 here, their projections in float16. On a GPU they compute "
+        "in float16.",
         stacklevel=3,
     )
 
@@ -531,6 +585,7 @@ def apply_amp(
                 deny,
                 outputs,
                 id(layer) in inside_allowed,
+                parent,
             )
         decisions.append((layer, (policy, rule)))
     _set_policies(model, decisions)

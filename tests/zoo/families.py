@@ -85,6 +85,23 @@ def gemma():
     return _causal_lm(rng, keras_hub.models.GemmaCausalLM(backbone, preprocessor=None))
 
 
+def mixtral():
+    """KerasHub's Mixtral: a sparse mixture of experts (router, top-2 of 4
+    experts, load-balancing loss) behind grouped-query attention."""
+    rng = _rng()
+    backbone = keras_hub.models.MixtralBackbone(
+        vocabulary_size=VOCAB,
+        num_layers=1,
+        num_query_heads=2,
+        num_key_value_heads=1,
+        hidden_dim=16,
+        intermediate_dim=32,
+        num_experts=4,
+        top_k=2,
+    )
+    return _causal_lm(rng, keras_hub.models.MixtralCausalLM(backbone, preprocessor=None))
+
+
 def t5():
     """KerasHub's T5 encoder-decoder: relative attention bias, T5's RMS norm,
     gated feed-forward, cross-attention; a sequence-to-sequence LM head."""
@@ -279,6 +296,7 @@ KERAS_HUB = {
     "t5": t5,
     "transformer_encoder": transformer_encoder,
     "resnet": resnet,
+    "mixtral": mixtral,
 }
 APPLICATIONS = {
     "resnet50": resnet50,

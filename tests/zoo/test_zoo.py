@@ -34,6 +34,8 @@ TOLERANCE = {
     ("O2", "bfloat16"): 0.1,
     ("O3", "bfloat16"): 0.25,
 }
+# Mixture-of-experts models: their outputs are compared token by token.
+ROUTED = {"mixtral"}
 # keras.applications CNNs: their compiled `fit` costs 15-20 s to trace or
 # compile per case on a CPU, against 2-3 s for an eager one. They run the
 # level x dtype matrix with `run_eagerly=True` (the same layers, policies
@@ -161,8 +163,15 @@ def test_family_trains_at_level(family, level, half):
     tolerance = TOLERANCE[(level, half)]
     for out, ref in zip(outputs, reference):
         assert keras.backend.standardize_dtype(out.dtype) == "float32"
-        error = np.max(np.abs(_np(out) - ref))
-        assert error <= tolerance * (1.0 + np.max(np.abs(ref))), (family, error)
+        error = np.abs(_np(out) - ref)
+        bound = tolerance * (1.0 + np.max(np.abs(ref)))
+        if family in ROUTED:
+            # Top-k routing: where two experts' logits nearly tie, rounding
+            # upstream picks the other expert for that token.
+            rerouted = np.mean(error.max(axis=-1) > bound)
+            assert rerouted <= 0.05, (family, rerouted)
+        else:
+            assert np.max(error) <= bound, (family, np.max(error))
 
     history = model.fit(x, y, batch_size=4, epochs=1, verbose=0, **_fit_kwargs(family, x, y))
     assert np.isfinite(history.history["loss"]).all(), history.history
@@ -312,6 +321,52 @@ def test_keras_hub_t5_is_finite_where_keras_mixed_policy_is_not():
     keras_mp.apply_amp(model, "O2", "float16")
     assert np.isfinite(_np(model(x))).all()
     assert "masks with -1e9" in _rule(model, "T5MultiHeadAttention")
+
+
+@pytest.mark.parametrize("level", ["O2", "O3"])
+def test_keras_hub_llama_attention_in_float16(level):
+    """KerasHub's own attention layers (here `LlamaAttention`) call
+    `ops.dot_product_attention`: on JAX's CPU, which has no float16 x
+    float16 -> float32 matmul, they compute in float32 (Keras's own
+    `mixed_float16` fails there); elsewhere in float16."""
+    import keras_hub
+
+    keras.utils.set_random_seed(0)
+    backbone = keras_hub.models.LlamaBackbone(
+        vocabulary_size=families.VOCAB,
+        num_layers=1,
+        num_query_heads=2,
+        num_key_value_heads=1,
+        hidden_dim=16,
+        intermediate_dim=32,
+    )
+    ids, padding = families._tokens(np.random.default_rng(0))
+    x = {"token_ids": ids, "padding_mask": padding}
+    keras_mp.apply_amp(backbone, level, "float16")
+    jax_cpu = JAX and __import__("jax").default_backend() == "cpu"
+    rows = {r["class"]: r for r in keras_mp.precision_summary(backbone).rows}
+    assert rows["LlamaAttention"]["compute_dtype"] == ("float32" if jax_cpu else "float16")
+    assert rows["EinsumDense"]["compute_dtype"] == "float16"  # its projections
+    assert np.isfinite(_np(backbone.predict(x, batch_size=len(ids), verbose=0))).all()
+
+
+@pytest.mark.parametrize("level, half", [("O1", "float16"), ("O2", "float16"), ("O3", "bfloat16")])
+def test_keras_hub_mixtral_routes_in_float32(level, half):
+    """The router's projection and the routing (softmax, top-k, weights,
+    load-balancing loss) in float32; the experts and attention as the level
+    says. On TensorFlow, Keras's own mixed policies cannot train it: the
+    load-balancing loss multiplies half weights by a float32 mask."""
+    model, x, y, loss = _build("mixtral")
+    keras_mp.apply_amp(model, level, half)
+    rows = {r["class"]: r for r in keras_mp.precision_summary(model).rows}
+    assert rows["MixtralSparseMoeBlock"]["compute_dtype"] == "float32"
+    router = next(r for r in rows.values() if r["rule"].endswith("expert router, float32"))
+    assert router["layer"].endswith("sparse_feedforward_gate_dense")
+    experts = half if level != "O1" else "float32"  # O1: only the allow-list
+    assert rows["MixtralMoeExperts"]["compute_dtype"] == experts
+    # With a router allowed into half, the user's word wins.
+    keras_mp.apply_amp(model, level, half, allow=["sparse_feedforward_gate_dense"])
+    assert "router" not in _rule(model, "Dense")
 
 
 @pytest.mark.skipif(BACKEND != "tensorflow", reason="SavedModel export is TensorFlow's")
