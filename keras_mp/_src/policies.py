@@ -329,9 +329,6 @@ def _decide(
     if level.half_compute == "none":
         return "float32", f"{level.name}: float32"
     user_allowed = _matches(layer, allow[len(ALLOW_LIST) :])
-    if _is_attention(layer) and backends.current.half_attention_needs_float32(half):
-        _warn_jax_cpu_attention_once()
-        return "float32", f"{level.name}: attention on JAX's CPU, float32 (no float16 dot there)"
     if (
         half == "float16"
         and level.half_compute in ("allow", "deny")
@@ -339,6 +336,9 @@ def _decide(
         and not user_allowed
     ):
         return "float32", f"{level.name}: masks with -1e9, own arithmetic in float32"
+    if _is_attention(layer) and backends.current.half_attention_needs_float32(half):
+        _warn_jax_cpu_attention_once()
+        return "float32", f"{level.name}: attention on JAX's CPU, float32 (no float16 dot there)"
     if _is_router(layer, parent) and not user_allowed:
         return "float32", f"{level.name}: expert router, float32"
     if level.half_compute in ("deny", "all") and _routes_experts(layer) and not user_allowed:
