@@ -76,7 +76,6 @@ _FUSED_ATTENTION = tuple(
     getattr(L, name) for name in ("MultiHeadAttention", "GroupedQueryAttention") if hasattr(L, name)
 )
 
-
 # Packages whose composite layers are written for Keras's mixed policies (they
 # run under them in production): at O2 they compute in half. A layer defined
 # anywhere else that contains other layers computes its own arithmetic in
@@ -85,8 +84,9 @@ _MIXED_PRECISION_AWARE_PACKAGES = ("keras", "keras_hub", "keras_nlp", "keras_cv"
 
 
 def _is_attention(layer):
-    """Keras's attention layers, and KerasHub's (`LlamaAttention`, ...): the
-    ones that call `ops.dot_product_attention` in their own `call`."""
+    """Keras's attention layers, and those of KerasHub (`LlamaAttention`,
+    ...), whose own `call` computes the attention (most of them through
+    `ops.dot_product_attention`)."""
     return isinstance(layer, _FUSED_ATTENTION) or (
         type(layer).__name__.endswith("Attention")
         and type(layer).__module__.split(".", 1)[0] in _MIXED_PRECISION_AWARE_PACKAGES
@@ -382,8 +382,8 @@ def _routes_experts(layer):
     "selective precision" keeps the router in float32), and KerasHub's
     load-balancing loss multiplies the half routing weights by a float32
     padding mask, which TensorFlow refuses (Keras's own mixed policies fail
-    there). Its sublayers, the router's projection and the experts,
-    compute in half as the level says.
+    there). The experts, its sublayers, compute in half as the level says;
+    the router's projection in float32 (`_is_router`).
     """
     return type(layer).__name__.endswith(("MoeBlock", "MoEBlock"))
 
@@ -400,10 +400,9 @@ def _is_router(layer, parent):
         return True
     experts = getattr(parent, "num_experts", None)
     return (
-        parent is not None
+        experts is not None
         and _routes_experts(parent)
         and isinstance(layer, L.Dense)
-        and experts is not None
         and layer.units == experts
     )
 
