@@ -46,6 +46,23 @@ def _model(policy):
     return model
 
 
+def _compiled_with_adam(policy, mode, dynamic_growth_steps, **compile_kwargs):
+    """`_model(policy)` compiled with Adam in a LossScaleOptimizer starting at 2**10."""
+    model = _model(policy)
+    optimizer = keras_mp.LossScaleOptimizer(
+        keras.optimizers.Adam(1e-2),
+        initial_scale=2.0**10,
+        dynamic_growth_steps=dynamic_growth_steps,
+    )
+    model.compile(
+        optimizer=optimizer,
+        loss="sparse_categorical_crossentropy",
+        jit_compile=(mode == "jit"),
+        **compile_kwargs,
+    )
+    return model, optimizer
+
+
 class WeightsPerBatch(keras.callbacks.Callback):
     def on_train_batch_end(self, batch, logs=None):
         self.seen = getattr(self, "seen", []) + [[np.array(w) for w in self.model.get_weights()]]
@@ -72,15 +89,7 @@ def test_eager_fit_on_jax_compiles_the_optimizer_step_once(jax_skip_form):
 @pytest.mark.parametrize("policy", ["float32", "mixed_float16"])
 def test_fit_skips_a_nan_batch_and_loses_nothing(mode, policy, jax_skip_form):
     x, y = _data(with_nan=True)
-    model = _model(policy)
-    optimizer = keras_mp.LossScaleOptimizer(
-        keras.optimizers.Adam(1e-2), initial_scale=2.0**10, dynamic_growth_steps=100
-    )
-    model.compile(
-        optimizer=optimizer,
-        loss="sparse_categorical_crossentropy",
-        jit_compile=(mode == "jit"),
-    )
+    model, optimizer = _compiled_with_adam(policy, mode, dynamic_growth_steps=100)
     assert model.optimizer is optimizer
     recorder = WeightsPerBatch()
     model.fit(x, y, batch_size=BATCH, epochs=1, shuffle=False, verbose=0, callbacks=[recorder])
@@ -99,14 +108,7 @@ def test_fit_skips_a_nan_batch_and_loses_nothing(mode, policy, jax_skip_form):
     x_clean, y_clean = _data(with_nan=False)
     keep = np.ones(len(x_clean), bool)
     keep[BAD_BATCH * BATCH : (BAD_BATCH + 1) * BATCH] = False
-    reference = _model(policy)
-    reference.compile(
-        optimizer=keras_mp.LossScaleOptimizer(
-            keras.optimizers.Adam(1e-2), initial_scale=2.0**10, dynamic_growth_steps=100
-        ),
-        loss="sparse_categorical_crossentropy",
-        jit_compile=(mode == "jit"),
-    )
+    reference, _ = _compiled_with_adam(policy, mode, dynamic_growth_steps=100)
     # The scale differs after the skip (2**9 vs 2**10): a power of two, so
     # the unscaled gradients, and hence the weights, agree to rounding.
     reference.fit(
@@ -139,15 +141,8 @@ def test_steps_per_execution_steps_the_scale_per_batch(mode):
     x, y = _data(with_nan=True)
     runs = []
     for steps_per_execution in (1, 3):
-        model = _model("mixed_float16")
-        optimizer = keras_mp.LossScaleOptimizer(
-            keras.optimizers.Adam(1e-2), initial_scale=2.0**10, dynamic_growth_steps=2
-        )
-        model.compile(
-            optimizer=optimizer,
-            loss="sparse_categorical_crossentropy",
-            jit_compile=(mode == "jit"),
-            steps_per_execution=steps_per_execution,
+        model, optimizer = _compiled_with_adam(
+            "mixed_float16", mode, dynamic_growth_steps=2, steps_per_execution=steps_per_execution
         )
         history = model.fit(x, y, batch_size=BATCH, epochs=1, shuffle=False, verbose=0)
         state = [
