@@ -165,6 +165,34 @@ def test_steps_per_execution_steps_the_scale_per_batch(mode):
         np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
 
 
+@pytest.mark.parametrize("mode", MODES)
+def test_an_epoch_of_overflowing_steps_reports_its_loss(mode):
+    """A scale so large that every step's half gradients overflow: every step
+    is skipped and the weights stay, but the batches' losses were finite, and
+    the epoch reports them (as Keras's own LossScaleOptimizer does), not the
+    0 of an empty mean. The reference is `evaluate` on the same, unchanged
+    weights."""
+    x, y = _data(with_nan=False)
+    model = _model("float32")
+    model.compile(
+        optimizer=keras.optimizers.Adam(1e-2),
+        loss="sparse_categorical_crossentropy",
+        metrics=["accuracy"],
+        amp_level="O2",
+        loss_scale=2.0**40,
+        jit_compile=(mode == "jit"),
+    )
+    before = model.get_weights()
+    history = model.fit(x, y, batch_size=BATCH, epochs=1, shuffle=False, verbose=0)
+    assert history.history["skipped_steps"] == [len(x) // BATCH]
+    for got, want in zip(model.get_weights(), before):
+        np.testing.assert_array_equal(got, want)
+    loss, accuracy = model.evaluate(x, y, batch_size=BATCH, verbose=0)
+    assert loss > 0.1
+    np.testing.assert_allclose(history.history["loss"], [loss], rtol=1e-5)
+    np.testing.assert_allclose(history.history["accuracy"], [accuracy], rtol=1e-6)
+
+
 def test_fit_with_embedding_gradients():
     """Embedding gradients are sparse (tf.IndexedSlices) on TensorFlow."""
     rng = np.random.default_rng(0)

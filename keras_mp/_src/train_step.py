@@ -17,8 +17,11 @@ brought to the host):
   forward pass, before any gradient exists. The non-trainable variables are
   read before the step and put back when the LossScaleOptimizer skipped it,
   decided from the optimizer's own `skipped_steps` (did it move?): a select
-  per variable. The metrics' variables are kept too, so the NaN loss of a
-  skipped batch does not turn the epoch's mean loss into NaN.
+  per variable. The metrics keep a skipped batch unless it made them
+  non-finite: a NaN batch's loss does not turn the epoch's mean into NaN,
+  and a batch skipped for overflowing gradients (its loss finite) counts,
+  as under Keras's own LossScaleOptimizer; an epoch whose steps all
+  overflowed reports its loss, not 0.
 """
 
 import functools
@@ -158,20 +161,30 @@ def _with_telemetry(logs, loss_scale, skipped_steps):
     return logs
 
 
+def _bad_metrics(skipped, metrics):
+    """Whether to put the metrics back: the step was skipped and the batch
+    made one of them non-finite (a NaN batch; an overflow's loss is finite)."""
+    finite = [ops.all(ops.isfinite(m)) for m in metrics if keras.backend.is_float_dtype(m.dtype)]
+    if not finite:
+        return skipped
+    return ops.logical_and(skipped, ops.logical_not(ops.all(ops.stack(finite))))
+
+
 def _stateful_train_step(original, model, optimizer, guard):
     def train_step(data):
         if guard:
-            # The model's state and the metrics' (a skipped batch's NaN
-            # predictions are not averaged into the epoch's loss either).
-            variables = model.non_trainable_variables + model.metrics_variables
+            # The model's state, and the metrics' (see `_bad_metrics`).
             # Copies: on PyTorch `.value` is the parameter itself, updated in place.
-            before = [ops.copy(v.value) for v in variables]
+            state = [(v, ops.copy(v.value)) for v in model.non_trainable_variables]
+            metrics = [(v, ops.copy(v.value)) for v in model.metrics_variables]
             skipped_before = ops.copy(optimizer.skipped_steps.value)
         logs = original(data)
         if guard:
             skipped = ops.not_equal(optimizer.skipped_steps.value, skipped_before)
-            for variable, old in zip(variables, before):
-                variable.assign(ops.where(skipped, old, variable.value))
+            bad_metrics = _bad_metrics(skipped, [v.value for v, _ in metrics])
+            for restore, pairs in ((skipped, state), (bad_metrics, metrics)):
+                for variable, old in pairs:
+                    variable.assign(ops.where(restore, old, variable.value))
         if not _batch_telemetry(model):
             return logs
         return _with_telemetry(
@@ -196,7 +209,8 @@ def _stateless_train_step(original, model, optimizer, guard):
             non_trainable = [
                 ops.where(skipped, old, new) for old, new in zip(old_non_trainable, non_trainable)
             ]
-            metrics = [ops.where(skipped, old, new) for old, new in zip(state[3], metrics)]
+            bad_metrics = _bad_metrics(skipped, metrics)
+            metrics = [ops.where(bad_metrics, old, new) for old, new in zip(state[3], metrics)]
         if _batch_telemetry(model):
             logs = _with_telemetry(logs, optimizer_values[scale_at], optimizer_values[skipped_at])
         return logs, (trainable, non_trainable, optimizer_values, metrics)
