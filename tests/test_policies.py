@@ -91,6 +91,38 @@ def test_o3_converts_a_built_model_in_place():
     assert all(v.dtype == "float32" for v in model.weights)
 
 
+class _Tempered(keras.layers.Layer):
+    """A user's layer with a weight of a dtype of its own (a float32
+    temperature, a tf.keras 2 habit for a delicate value) and a counter."""
+
+    def build(self, input_shape):
+        self.kernel = self.add_weight(shape=(input_shape[-1], 4))
+        self.temperature = self.add_weight(shape=(), initializer="ones", dtype="float32")
+        self.calls = self.add_weight(shape=(), initializer="zeros", dtype="int32", trainable=False)
+
+    def call(self, x):
+        return keras.ops.matmul(x, self.kernel) / self.temperature
+
+
+@pytest.mark.parametrize("built", [False, True], ids=["unbuilt", "built"])
+def test_weights_created_with_their_own_dtype_keep_it(built):
+    """A model built in bfloat16 (as KerasHub's `from_preset(..., dtype=...)`
+    builds one) with a layer that created a float32 weight of its own, set
+    to float16: its default weights become float16, the float32 and integer
+    ones keep their dtypes, as building it under Keras's float16 policy
+    gives, and as when it was not built yet."""
+    keras.utils.set_random_seed(0)
+    layer = _Tempered(dtype="bfloat16")
+    head = keras.layers.Dense(2, dtype="bfloat16")
+    model = keras.Sequential([keras.Input((3,)), layer, head] if built else [layer, head])
+    keras_mp.apply_amp(model, "O3", "float16")
+    model(np.ones((1, 3), "float32"))
+    assert [v.dtype for v in layer.weights] == ["float16", "float32", "int32"]
+    reference = _Tempered(dtype="float16")
+    reference.build((1, 3))
+    assert [v.dtype for v in reference.weights] == [v.dtype for v in layer.weights]
+
+
 @pytest.mark.parametrize("built", [False, True], ids=["unbuilt", "built"])
 def test_o3_model_trains(built):
     model = _cnn()

@@ -734,8 +734,9 @@ def _set_policy(layer, policy_name, rule):
     if policy_name is None:
         return False
     policy = keras.dtype_policies.get(policy_name)
+    previous = layer.dtype_policy.variable_dtype
     layer.dtype_policy = policy
-    return layer.built and _convert_own_variables(layer, policy.variable_dtype)
+    return layer.built and _convert_own_variables(layer, previous, policy.variable_dtype)
 
 
 def _set_policies(model, decisions):
@@ -746,12 +747,23 @@ def _set_policies(model, decisions):
         _retrack_torch_parameters(model)
 
 
-def _convert_own_variables(layer, variable_dtype):
-    """Recasts a built layer's own float variables in place (same objects)."""
+# Keras creates LoRA weights in float32 whatever the layer's policy ("to
+# avoid the risk of underflow or overflow during fine-tuning").
+_LORA_WEIGHTS = ("lora_kernel_a", "lora_kernel_b", "lora_embeddings_a", "lora_embeddings_b")
+
+
+def _convert_own_variables(layer, previous, variable_dtype):
+    """Recasts a built layer's own variables of its previous policy's dtype
+    in place (same objects), as building it under the new policy would have
+    created them: a weight created with a dtype of its own (LoRA's float32,
+    a custom layer's `add_weight(dtype=...)`, integer counters) keeps it."""
+    own_dtype = {
+        id(getattr(layer, name)) for name in _LORA_WEIGHTS if getattr(layer, name, None) is not None
+    }
     changed = False
     for variable in list(layer._trainable_variables) + list(layer._non_trainable_variables):
         current = keras.backend.standardize_dtype(variable.dtype)
-        if not keras.backend.is_float_dtype(current) or current == variable_dtype:
+        if current != previous or current == variable_dtype or id(variable) in own_dtype:
             continue
         value = keras.ops.cast(variable.value, variable_dtype)
         variable._dtype = variable_dtype
