@@ -328,8 +328,9 @@ def test_lora_fine_tuning_of_a_bfloat16_keras_hub_model():
         if level == "O3":
             frozen = [v for v in model.non_trainable_variables if v.path.endswith("/kernel")]
             assert frozen and {v.dtype for v in frozen} == {"bfloat16"}
-        b = [i for i, v in enumerate(lora) if "lora_kernel_b" in v.path]
-        return np.concatenate([(_numpy(lora[i]) - before[i]).ravel() for i in b])
+        return np.concatenate(
+            [(_numpy(v) - b).ravel() for v, b in zip(lora, before) if "lora_kernel_b" in v.path]
+        )
 
     # Adam moves each weight by about its learning rate a step: the LoRA
     # weights' updates have float32's size (their directions are mostly

@@ -757,13 +757,15 @@ def _convert_own_variables(layer, previous, variable_dtype):
     in place (same objects), as building it under the new policy would have
     created them: a weight created with a dtype of its own (LoRA's float32,
     a custom layer's `add_weight(dtype=...)`, integer counters) keeps it."""
+    if previous == variable_dtype:
+        return False
     own_dtype = {
         id(getattr(layer, name)) for name in _LORA_WEIGHTS if getattr(layer, name, None) is not None
     }
     changed = False
     for variable in list(layer._trainable_variables) + list(layer._non_trainable_variables):
         current = keras.backend.standardize_dtype(variable.dtype)
-        if current != previous or current == variable_dtype or id(variable) in own_dtype:
+        if current != previous or id(variable) in own_dtype:
             continue
         value = keras.ops.cast(variable.value, variable_dtype)
         variable._dtype = variable_dtype
