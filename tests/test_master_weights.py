@@ -246,11 +246,14 @@ def test_weight_decay_and_its_exclusions_at_o3(dtype, master_weights):
         return [(v.path, _numpy(v)) for v in model.trainable_variables]
 
     for (path, o3), (_, reference) in zip(trained("O3"), trained("O0")):
-        # A decay of 5% a step, if the exclusion were lost, moves these by
-        # about 0.18 of their size in 4 steps: far beyond float16's rounding,
-        # and beyond where bfloat16's forward passes take most weights.
-        atol = 3e-3 if dtype == "float16" else 8e-3
-        np.testing.assert_allclose(o3, reference, atol=atol, err_msg=path)
+        # A decay of 5% a step, if an exclusion were lost, moves its variable
+        # by 0.1-0.2 of its size in 4 steps: far beyond half precision's
+        # rounding, measured over the whole variable (bfloat16's forward
+        # passes move a single weight by up to 0.02, as many as the CPU's
+        # kernels decide).
+        rtol = 3e-3 if dtype == "float16" else 3e-2
+        error = np.linalg.norm(o3 - reference) / np.linalg.norm(reference)
+        assert error < rtol, (path, error)
 
 
 def test_compensated_updates_keep_no_float32_copy():
