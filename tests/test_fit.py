@@ -5,6 +5,8 @@ scale backs off, training goes on, and the run ends where a run without the
 bad batch ends (compared against that run, not against itself).
 """
 
+import warnings
+
 import keras
 import numpy as np
 import pytest
@@ -244,3 +246,105 @@ def test_fit_evaluate_predict_run_eagerly_at_every_level(level, how):
     assert np.isfinite(loss)
     predictions = model.predict(x[: 2 * BATCH], verbose=0)
     assert predictions.dtype == np.float32 and np.isfinite(predictions).all()
+
+
+def _guide_train_step(scaled):
+    """Keras's "customizing what happens in `fit`" guide's `train_step` for
+    this backend; `scaled` adds the one line that loss scaling needs."""
+    if BACKEND == "tensorflow":
+        import tensorflow as tf
+
+        def train_step(self, data):
+            x, y = data
+            with tf.GradientTape() as tape:
+                y_pred = self(x, training=True)
+                loss = self.compute_loss(y=y, y_pred=y_pred)
+                scaled_loss = self.optimizer.scale_loss(loss) if scaled else loss
+            grads = tape.gradient(scaled_loss, self.trainable_variables)
+            self.optimizer.apply(grads, self.trainable_variables)
+            return {"loss": loss}
+
+    elif BACKEND == "torch":
+        import torch
+
+        def train_step(self, data):
+            x, y = data
+            self.zero_grad()
+            y_pred = self(x, training=True)
+            loss = self.compute_loss(y=y, y_pred=y_pred)
+            scaled_loss = self.optimizer.scale_loss(loss) if scaled else loss
+            scaled_loss.backward()
+            grads = [v.value.grad for v in self.trainable_weights]
+            with torch.no_grad():
+                self.optimizer.apply(grads, self.trainable_weights)
+            return {"loss": loss}
+
+    else:
+        import jax
+
+        def train_step(self, state, data):
+            trainables, non_trainables, optimizer_variables, metrics_variables = state
+            x, y = data
+
+            def loss_and_updates(trainables, non_trainables):
+                y_pred, non_trainables = self.stateless_call(
+                    trainables, non_trainables, x, training=True
+                )
+                loss = self.compute_loss(x, y, y_pred)
+                if scaled:
+                    mapping = list(zip(self.optimizer.variables, optimizer_variables))
+                    with keras.StatelessScope(state_mapping=mapping):
+                        loss = self.optimizer.scale_loss(loss)
+                return loss, non_trainables
+
+            grads, non_trainables = jax.grad(loss_and_updates, has_aux=True)(
+                trainables, non_trainables
+            )
+            trainables, optimizer_variables = self.optimizer.stateless_apply(
+                optimizer_variables, grads, trainables
+            )
+            state = (trainables, non_trainables, optimizer_variables, metrics_variables)
+            return {}, state
+
+    return type("GuideModel", (keras.Model,), {"train_step": train_step})
+
+
+@pytest.mark.parametrize("scaled", [False, True], ids=["unscaled", "scaled"])
+def test_a_custom_train_step_that_does_not_scale_its_loss_is_told(scaled):
+    """Keras's guide to a custom `train_step` never scales the loss. Under a
+    LossScaleOptimizer its gradients are divided by a scale they were never
+    multiplied by, and the model hardly trains, silently (so under Keras's
+    own mixed_float16). keras_mp warns once, and with the line it names the
+    step trains as float32 does."""
+    x, y = _data(with_nan=False)
+
+    def fit(level):
+        keras.utils.set_random_seed(7)
+        inputs = keras.Input((8,))
+        hidden = keras.layers.Dense(16, activation="relu")(inputs)
+        model = _guide_train_step(scaled)(
+            inputs, keras.layers.Dense(2, activation="softmax")(hidden)
+        )
+        model.compile(
+            optimizer=keras.optimizers.SGD(0.5),
+            loss="sparse_categorical_crossentropy",
+            amp_level=level,
+        )
+        before = model.get_weights()
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            model.fit(x, y, batch_size=BATCH, epochs=2, verbose=0)
+        told = [w for w in caught if "the loss was never scaled" in str(w.message)]
+        moved = sum(np.abs(a - b).sum() for a, b in zip(model.get_weights(), before))
+        return told, moved, model.get_weights()
+
+    told_o0, moved_o0, reference = fit("O0")  # no LossScaleOptimizer
+    told, moved, weights = fit("O2")
+    assert told_o0 == []
+    if scaled:
+        assert told == []
+        for got, want in zip(weights, reference):
+            np.testing.assert_allclose(got, want, atol=2e-2)
+    else:
+        assert len(told) == 1 and "self.optimizer.scale_loss(loss)" in str(told[0].message)
+        assert moved < 1e-3 * moved_o0  # what it warns of

@@ -167,6 +167,10 @@ class LossScaleOptimizer(_KerasLossScaleOptimizer):
         self.dynamic_growth_steps = dynamic_growth_steps
         self._grads_unscaled_by_caller = False
         self._loss_scaled = False  # since the last step (tf.keras 2's warning)
+        # Whether `scale_loss` was ever called (the unscaled-loss warning);
+        # read when a step is traced or run, never from a tensor.
+        self._loss_ever_scaled = False
+        self._warned_unscaled_loss = False
         self._stateless_cache = {}  # the backend's (JAX: the step compiled once)
 
         # The state is created here, not in `build`, so that `loss_scale`
@@ -270,6 +274,8 @@ class LossScaleOptimizer(_KerasLossScaleOptimizer):
         unscaled_by_caller = self._grads_unscaled_by_caller
         self._grads_unscaled_by_caller = False
         self._loss_scaled = False
+        if not unscaled_by_caller:
+            self._warn_if_the_loss_was_never_scaled("apply")
 
         backends.current.apply(
             self._step(trainable_variables), grads, trainable_variables, unscaled_by_caller
@@ -349,6 +355,7 @@ class LossScaleOptimizer(_KerasLossScaleOptimizer):
                 f"Received list with length {len(optimizer_variables)}, but "
                 f"expected {len(self.variables)} variables."
             )
+        self._warn_if_the_loss_was_never_scaled("stateless_apply")
         step = self._step(self._trainable_variables)
         return backends.current.run_stateless(
             functools.partial(backends.current.stateless_step, step),
@@ -356,6 +363,38 @@ class LossScaleOptimizer(_KerasLossScaleOptimizer):
             optimizer_variables,
             grads,
             list(trainable_variables),
+        )
+
+    def _warn_if_the_loss_was_never_scaled(self, method):
+        """Warns, once, of gradients applied while `scale_loss` never ran.
+
+        Keras's own `train_step` scales the loss; a custom `train_step` or
+        loop written without loss scaling in mind (Keras's "customizing
+        fit" guide) does not, and its gradients, divided by a scale they
+        were never multiplied by, make every update `loss_scale` times too
+        small: the model does not train, and nothing says why. Whether
+        `scale_loss` was ever called is known in Python (when the step is
+        traced or run), so the check costs no step anything. Not "since the
+        last step": a loss scaled in one `tf.function` and applied outside it
+        is scaled only when that function is traced.
+        """
+        if self._loss_ever_scaled or self._warned_unscaled_loss:
+            return
+        if not self._config.dynamic and self.initial_scale == 1.0:
+            return  # dividing by 1 changes nothing
+        self._warned_unscaled_loss = True
+        warnings.warn(
+            f"LossScaleOptimizer.{method} was called, but the loss was never "
+            f"scaled: its gradients are divided by the loss scale "
+            f"({self.initial_scale:g}) without having been multiplied by it, "
+            "so every update is that many times too small and the model "
+            "hardly trains. A custom `train_step` or training loop must scale "
+            "the loss before taking its gradients, as Keras's own "
+            "`train_step` does: `loss = self.optimizer.scale_loss(loss)` "
+            "(tf.keras 2: `get_scaled_loss`, then `get_unscaled_gradients`). "
+            "If you multiplied the loss by `optimizer.loss_scale` yourself, "
+            "ignore this warning.",
+            stacklevel=3,
         )
 
     def check_finite(self, grads):
@@ -374,6 +413,7 @@ class LossScaleOptimizer(_KerasLossScaleOptimizer):
             `loss * loss_scale`, in float32 (or wider, if `loss` is wider).
         """
         self._loss_scaled = True
+        self._loss_ever_scaled = True
         return ops.multiply(loss, self.loss_scale)
 
     def get_scaled_loss(self, loss):
