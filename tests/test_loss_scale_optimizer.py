@@ -1,6 +1,8 @@
 """LossScaleOptimizer: construction, skipping, unscaling, interplay with the
 inner optimizer's features, serialization, custom training loops."""
 
+import warnings
+
 import keras
 import ml_dtypes
 import numpy as np
@@ -753,6 +755,74 @@ def test_custom_loop_jax_stateless(jit):
     _check_loop_result(model, x, y)
 
 
+@pytest.mark.skipif(BACKEND != "jax", reason="jax.jit loop")
+@pytest.mark.parametrize("scope", [True, False], ids=["stateless_scope", "no_scope"])
+def test_jitted_jax_loop_scales_by_the_steps_own_scale(scope):
+    """Under `jax.jit` the scale must come from the step's optimizer values
+    (a StatelessScope, as Keras's JAX step and the README's example do); read
+    from the variable it is a constant of the trace, which keras_mp says."""
+    import jax
+
+    x, y = _loop_data()
+    model = _loop_model()
+    optimizer = keras_mp.LossScaleOptimizer(keras.optimizers.SGD(0.1), initial_scale=2.0**12)
+    optimizer.build(model.trainable_variables)
+
+    def loss_fn(trainable, optimizer_values):
+        pred, _ = model.stateless_call(trainable, [], x)
+        loss = jax.numpy.mean(jax.numpy.square(pred - y))
+        if not scope:
+            return optimizer.scale_loss(loss)
+        with keras.StatelessScope(state_mapping=list(zip(optimizer.variables, optimizer_values))):
+            return optimizer.scale_loss(loss)
+
+    @jax.jit
+    def train_step(trainable, optimizer_values):
+        grads = jax.grad(loss_fn)(trainable, optimizer_values)
+        return optimizer.stateless_apply(optimizer_values, grads, trainable)
+
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        trainable, _ = train_step(
+            [v.value for v in model.trainable_variables], [v.value for v in optimizer.variables]
+        )
+    told = [str(w.message) for w in caught if "StatelessScope" in str(w.message)]
+    assert len(told) == (0 if scope else 1)
+    for variable, value in zip(model.trainable_variables, trainable):
+        variable.assign(value)
+    _check_loop_result(model, x, y)
+
+
+@pytest.mark.skipif(BACKEND != "jax", reason="JAX's fit")
+def test_jax_train_step_scaling_outside_its_state_is_told_how():
+    """Inside JAX's `fit` the optimizer's variables hold no value (the step
+    carries the state): `scale_loss` outside a StatelessScope says how to
+    scale, instead of Keras's "'NoneType' object is not callable"."""
+    import jax
+
+    class Unmapped(keras.Model):
+        def train_step(self, state, data):
+            trainables, non_trainables, optimizer_variables, metrics_variables = state
+            x, y = data
+
+            def loss_fn(trainables):
+                y_pred, _ = self.stateless_call(trainables, non_trainables, x, training=True)
+                return self.optimizer.scale_loss(self.compute_loss(x, y, y_pred))
+
+            grads = jax.grad(loss_fn)(trainables)
+            trainables, optimizer_variables = self.optimizer.stateless_apply(
+                optimizer_variables, grads, trainables
+            )
+            return {}, (trainables, non_trainables, optimizer_variables, metrics_variables)
+
+    x, y = _loop_data()
+    inputs = keras.Input((3,))
+    model = Unmapped(inputs, keras.layers.Dense(2)(inputs))
+    model.compile(optimizer="sgd", loss="mse", amp_level="O2")
+    with pytest.raises(ValueError, match=r"(?s)inside `fit`.*keras.StatelessScope\(state_mapping"):
+        model.fit(x, y, verbose=0)
+
+
 @pytest.mark.skipif(BACKEND != "jax", reason="eager apply on JAX")
 def test_custom_loop_jax_apply():
     import jax
@@ -765,8 +835,10 @@ def test_custom_loop_jax_apply():
         pred, _ = model.stateless_call(trainable, [], x)
         return optimizer.scale_loss(jax.numpy.mean(jax.numpy.square(pred - y)))
 
-    grads = jax.grad(loss_fn)([v.value for v in model.trainable_variables])
-    optimizer.apply(grads, model.trainable_variables)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # eager: the variable's scale is the step's
+        grads = jax.grad(loss_fn)([v.value for v in model.trainable_variables])
+        optimizer.apply(grads, model.trainable_variables)
     _check_loop_result(model, x, y)
 
 

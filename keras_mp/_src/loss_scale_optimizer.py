@@ -171,6 +171,10 @@ class LossScaleOptimizer(_KerasLossScaleOptimizer):
         # read when a step is traced or run, never from a tensor.
         self._loss_ever_scaled = False
         self._warned_unscaled_loss = False
+        # JAX: whether the last `scale_loss` read the step's own scale (in a
+        # StatelessScope) rather than the variable's value at trace time.
+        self._scale_is_the_steps = True
+        self._warned_constant_scale = False
         self._stateless_cache = {}  # the backend's (JAX: the step compiled once)
 
         # The state is created here, not in `build`, so that `loss_scale`
@@ -356,6 +360,7 @@ class LossScaleOptimizer(_KerasLossScaleOptimizer):
                 f"expected {len(self.variables)} variables."
             )
         self._warn_if_the_loss_was_never_scaled("stateless_apply")
+        self._warn_if_the_scale_was_a_constant(optimizer_variables)
         step = self._step(self._trainable_variables)
         return backends.current.run_stateless(
             functools.partial(backends.current.stateless_step, step),
@@ -391,9 +396,33 @@ class LossScaleOptimizer(_KerasLossScaleOptimizer):
             "hardly trains. A custom `train_step` or training loop must scale "
             "the loss before taking its gradients, as Keras's own "
             "`train_step` does: `loss = self.optimizer.scale_loss(loss)` "
-            "(tf.keras 2: `get_scaled_loss`, then `get_unscaled_gradients`). "
+            "(tf.keras 2: `get_scaled_loss`, then `get_unscaled_gradients`; "
+            "JAX: inside a `keras.StatelessScope` mapping the optimizer's "
+            "variables to the step's `optimizer_variables`). "
             "If you multiplied the loss by `optimizer.loss_scale` yourself, "
             "ignore this warning.",
+            stacklevel=3,
+        )
+
+    def _warn_if_the_scale_was_a_constant(self, optimizer_variables):
+        """JAX: warns, once, of a compiled step that scaled its loss by a constant.
+
+        Under `jax.jit` the optimizer's state comes in as traced values
+        (`optimizer_variables`); a loss scaled outside a StatelessScope that
+        maps them was multiplied by `loss_scale` as it was when the step was
+        traced, and keeps that factor while the step divides by the current
+        scale: after a back-off every step overflows again.
+        """
+        if self._scale_is_the_steps or self._warned_constant_scale:
+            return
+        if not backends.current.is_traced(optimizer_variables[self._state_start]):
+            return
+        self._warned_constant_scale = True
+        warnings.warn(
+            "LossScaleOptimizer.scale_loss read the loss scale outside the "
+            "compiled step's state: the loss is multiplied by the scale it "
+            "had when the step was traced, for good. "
+            + backends.current.SCALE_IN_A_STATELESS_SCOPE,
             stacklevel=3,
         )
 
@@ -414,7 +443,8 @@ class LossScaleOptimizer(_KerasLossScaleOptimizer):
         """
         self._loss_scaled = True
         self._loss_ever_scaled = True
-        return ops.multiply(loss, self.loss_scale)
+        scale, self._scale_is_the_steps = backends.current.read_scale(self.loss_scale)
+        return ops.multiply(loss, scale)
 
     def get_scaled_loss(self, loss):
         """tf.keras 2 name of `scale_loss`; also takes a callable loss."""

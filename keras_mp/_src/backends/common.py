@@ -236,6 +236,15 @@ def stateless_step(step, optimizer_values, grads, trainable_values, by_select=No
     return ops.cond(finite, on_finite, on_overflow)
 
 
+def read_scale(variable):
+    """The loss scale for `scale_loss`, and whether it is the step's own.
+
+    Stateful backends read the variable itself (traced as a variable, so the
+    compiled step sees each step's scale).
+    """
+    return variable, True
+
+
 def check_stateless():
     """Refuses `stateless_apply` where the backend's step is stateful-only."""
 

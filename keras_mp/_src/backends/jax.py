@@ -133,6 +133,45 @@ def stateless_step(step, optimizer_values, grads, trainable_values):
 stateless_step.__doc__ = common.stateless_step.__doc__
 
 
+SCALE_IN_A_STATELESS_SCOPE = (
+    "On JAX, a `train_step` under `jax.jit` gets the optimizer's state as "
+    "values: scale the loss where they are mapped to the optimizer's "
+    "variables, as Keras's own step does:\n"
+    "    mapping = list(zip(self.optimizer.variables, optimizer_variables))\n"
+    "    with keras.StatelessScope(state_mapping=mapping):\n"
+    "        loss = self.optimizer.scale_loss(loss)"
+)
+
+
+def read_scale(variable):
+    """`loss_scale`'s value for `scale_loss`, and whether it is the step's own.
+
+    In a `keras.StatelessScope` that maps the optimizer's variables (Keras's
+    JAX step), the step's own traced value. Otherwise the variable's value
+    now: right for an eager loop that `apply`s, a constant in a compiled
+    step (which `stateless_apply` then warns of), and nothing at all inside
+    `fit`, whose compiled step holds the state and empties the variables.
+    """
+    from keras.src.backend.common.stateless_scope import get_stateless_scope
+
+    scope = get_stateless_scope()
+    if scope is not None and scope.get_current_value(variable) is not None:
+        return variable.value, True
+    try:
+        return variable.value, False
+    except TypeError as error:  # Keras's JAX `fit` set its value aside
+        raise ValueError(
+            "LossScaleOptimizer.scale_loss cannot read the loss scale: inside "
+            "`fit`, the optimizer's variables hold no value. " + SCALE_IN_A_STATELESS_SCOPE
+        ) from error
+
+
+def is_traced(value):
+    import jax
+
+    return isinstance(value, jax.core.Tracer)
+
+
 def run_stateless(step_fn, cache, *args):
     """Under a trace, `step_fn` itself; with values, compiled once (`cache`)."""
     import jax
