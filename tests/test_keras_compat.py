@@ -9,6 +9,7 @@ deliberately differs:
 """
 
 import numpy as np
+import pytest
 from absl.testing import parameterized
 from keras.src import backend
 from keras.src import ops
@@ -16,6 +17,12 @@ from keras.src import testing
 from keras.src.optimizers.sgd import SGD
 
 from keras_mp import LossScaleOptimizer
+
+# These tests hand the optimizer gradients they scaled themselves, which
+# the optimizer's warning of a loss never scaled tells to ignore.
+pytestmark = pytest.mark.filterwarnings(
+    r"ignore:LossScaleOptimizer\.\w+ was called, but the loss was never scaled"
+)
 
 
 class LossScaleOptimizerTest(testing.TestCase):

@@ -21,6 +21,12 @@ from keras_mp._src.loss_scale import update
 from tests.reference import ReferenceLossScale
 from tests.reference import reference_sgd_step
 
+# These tests hand the optimizer gradients they scaled themselves, which
+# the optimizer's warning of a loss never scaled tells to ignore.
+pytestmark = pytest.mark.filterwarnings(
+    r"ignore:LossScaleOptimizer\.\w+ was called, but the loss was never scaled"
+)
+
 BACKEND = keras.backend.backend()
 LEARNING_RATE = 0.5
 
