@@ -317,7 +317,7 @@ def _check_distribution(model):
 
 @functools.wraps(_keras_compile_from_config)
 def _compile_from_config_with_amp(self, config):
-    """`load_model`'s recompile; the precision comes back whatever `compile` is.
+    """`load_model`'s recompile; the precision and the optimizer come back.
 
     Keras does not call a `compile` that a model class overrides (KerasHub's
     task models do) when it loads the model, so their amp settings would be
@@ -325,7 +325,10 @@ def _compile_from_config_with_amp(self, config):
     layers' configs say. The saved level is applied here first: the policies,
     the boundary casts and O3's half variables are restored before the
     weights are loaded. A model whose `compile` is Keras's is then compiled
-    with its amp settings, as before.
+    with its amp settings, as before; so is one whose own `compile` takes
+    every saved argument (KerasHub's tasks pass them on to Keras's), or its
+    optimizer, the loss scale with it, would not be loaded: the model would
+    resume with the optimizer its constructor made, from scale 2**15.
     """
     amp = {k: config.get(k) for k in AMP_ARGUMENTS} if isinstance(config, dict) else {}
     if amp.get("amp_level") is not None:
@@ -335,7 +338,21 @@ def _compile_from_config_with_amp(self, config):
             amp["amp_dtype"] or "float16",
             keep_batchnorm_fp32=amp["keep_batchnorm_fp32"],
         )
+        if type(self).compile is not Trainer.compile and _takes(self.compile, config):
+            self.compile(**keras.saving.deserialize_keras_object(config))
+            if self.built:
+                self.optimizer.build(self.trainable_variables)  # as Keras's does
+            return None
     return _keras_compile_from_config(self, config)
+
+
+def _takes(method, config):
+    """Whether `method` accepts `config`'s items as keyword arguments."""
+    try:
+        inspect.signature(method).bind(**config)
+    except TypeError:
+        return False
+    return True
 
 
 def install():

@@ -231,6 +231,8 @@ def test_family_round_trips_through_keras_file(family, level, half, tmp_path):
     _compile(model, loss, level, half, run_eagerly=True)
     if not JAX:  # an eager fit compiles op by op there (see JAX above)
         model.fit(x, y, batch_size=4, epochs=1, verbose=0)
+    else:  # as after a step: loading builds the optimizer of a built model
+        model.optimizer.build(model.trainable_variables)
     before = [_np(o) for o in keras.tree.flatten(model(x, training=False))]
     path = tmp_path / f"{family}.keras"
     model.save(path)
@@ -242,6 +244,13 @@ def test_family_round_trips_through_keras_file(family, level, half, tmp_path):
     assert [r["compute_dtype"] for r in keras_mp.precision_summary(loaded).rows] == [
         r["compute_dtype"] for r in keras_mp.precision_summary(model).rows
     ]
+    # The optimizer, its loss scale and slots with it: KerasHub's tasks too,
+    # whose constructor compiles with an optimizer of its own.
+    assert loaded.get_compile_config()["amp_level"] == level
+    assert type(loaded.optimizer) is type(model.optimizer)
+    assert len(loaded.optimizer.variables) == len(model.optimizer.variables)
+    for got, want in zip(loaded.optimizer.variables, model.optimizer.variables):
+        np.testing.assert_array_equal(_np(got), _np(want), err_msg=want.path)
 
 
 def _quantized_policies(model):
