@@ -9,6 +9,7 @@ data has a NaN batch, so the runs include skipped steps, backoffs and growth.
 
 import json
 import os
+import warnings
 import zipfile
 
 import keras
@@ -324,3 +325,53 @@ def test_every_model_kind_keeps_its_precision_through_a_keras_file(tmp_path, kin
     after = loaded.predict(x, verbose=0)
     assert after.dtype == np.float32
     np.testing.assert_array_equal(after, before)
+
+
+@keras.saving.register_keras_serializable(package="keras_mp_tests")
+class OwnCompile(keras.Model):
+    """Overrides `compile` and passes Keras's arguments on (KerasHub's tasks
+    do, with defaults their constructor compiles with)."""
+
+    def compile(self, optimizer="sgd", loss="sparse_categorical_crossentropy", **kwargs):
+        super().compile(optimizer=optimizer, loss=loss, **kwargs)
+
+
+@keras.saving.register_keras_serializable(package="keras_mp_tests")
+class TwoOptimizers(keras.Model):
+    """A GAN's `compile`: arguments Keras's saved config cannot fill."""
+
+    def compile(self, d_optimizer, g_optimizer, **kwargs):
+        self.g_optimizer = g_optimizer
+        super().compile(optimizer=d_optimizer, **kwargs)
+
+
+@pytest.mark.parametrize("cls", [OwnCompile, TwoOptimizers], ids=["passes_on", "two_optimizers"])
+def test_a_model_with_its_own_compile_comes_back_with_what_it_can(tmp_path, cls):
+    """Keras does not call a `compile` the class overrides when it loads the
+    model. One that takes the saved arguments is called with them, so the
+    optimizer's state (the loss scale with it) is loaded; one that cannot is
+    left to Keras's warning, and the precision still comes back."""
+    reference = _compiled()
+    model = cls(reference.inputs, reference.outputs)
+    arguments = dict(loss="sparse_categorical_crossentropy", amp_level="O2")
+    if cls is OwnCompile:
+        model.compile(optimizer=reference.optimizer, **arguments)
+    else:
+        model.compile(reference.optimizer, keras.optimizers.SGD(), **arguments)
+    _fit(model, epochs=2)
+    path = str(tmp_path / "model.keras")
+    model.save(path)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        loaded = keras.models.load_model(path)
+    skipped_compile = any(
+        "was not called as part of model loading" in str(w.message) for w in caught
+    )
+    assert _policies(loaded) == _policies(model)
+    if cls is OwnCompile:
+        assert not skipped_compile
+        assert loaded.get_compile_config()["amp_level"] == "O2"
+        _assert_same_state(_state(loaded), _state(model))
+        assert float(_numpy(loaded.optimizer.loss_scale)) != 2.0**8  # it moved, and came back
+    else:
+        assert skipped_compile and getattr(loaded, "optimizer", None) is None
