@@ -340,7 +340,7 @@ def _compile_from_config_with_amp(self, config):
         )
         if type(self).compile is not Trainer.compile and _takes(self.compile, config):
             self.compile(**keras.saving.deserialize_keras_object(config))
-            if self.built:
+            if self.built and getattr(self, "optimizer", None) is not None:
                 self.optimizer.build(self.trainable_variables)  # as Keras's does
             return None
     return _keras_compile_from_config(self, config)
