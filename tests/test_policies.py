@@ -270,6 +270,29 @@ def test_precision_summary_rows_and_text():
     assert printed == [summary.text] == [str(summary)] == [repr(summary)]
 
 
+def test_precision_summary_lists_nested_layers_in_their_order():
+    """Top to bottom as the model runs, a nested model's layers under it
+    (Keras's recursive layer walk lists them last to first)."""
+    inner = keras.Sequential(
+        [keras.layers.Dense(4, name="first"), keras.layers.ReLU(name="second")], name="inner"
+    )
+
+    class Outer(keras.Model):
+        def __init__(self):
+            super().__init__(name="outer")
+            self.inner = inner
+            self.head = keras.layers.Dense(2, name="head")
+
+        def call(self, x):
+            return self.head(self.inner(x))
+
+    model = Outer()
+    model(np.ones((1, 3), "float32"))
+    rows = keras_mp.precision_summary(keras_mp.apply_amp(model, "O2")).rows
+    names = [r["layer"].split("/")[-1] for r in rows]
+    assert names == ["outer", "inner", "input_layer", "first", "second", "head"]
+
+
 @pytest.mark.parametrize(
     "call, error, fragment",
     [

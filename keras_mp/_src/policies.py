@@ -718,7 +718,18 @@ def precision_summary(model, print_fn=None):
 
 
 def _layers(model):
-    return list(model._flatten_layers(include_self=True, recursive=True))
+    """The model and its layers, each once, depth first in the order they
+    were added (Keras's recursive `_flatten_layers` lists a nested model's
+    layers last to first)."""
+    seen, ordered, stack = set(), [], [model]
+    while stack:
+        layer = stack.pop()
+        if id(layer) in seen:
+            continue
+        seen.add(id(layer))
+        ordered.append(layer)
+        stack.extend(reversed(list(layer._flatten_layers(include_self=False, recursive=False))))
+    return ordered
 
 
 def _is_container(layer):
