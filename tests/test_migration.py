@@ -110,12 +110,39 @@ def test_compiling_twice_with_one_optimizer_keeps_its_wrapper():
 def test_unscaling_gradients_of_an_unscaled_loss_warns():
     optimizer = keras_mp.LossScaleOptimizer(_sgd())
     grads = [keras.ops.ones(2)]
-    with pytest.warns(UserWarning, match="the loss was not scaled since the last step"):
+    with pytest.warns(
+        UserWarning, match="get_unscaled_gradients was called, but the loss was never"
+    ):
         optimizer.get_unscaled_gradients(grads)
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         optimizer.get_scaled_loss(keras.ops.ones(()))
         optimizer.get_unscaled_gradients(grads)
+
+
+@pytest.mark.skipif(keras.backend.backend() != "tensorflow", reason="tf.function")
+def test_a_loss_scaled_in_a_tf_function_does_not_warn_at_later_steps():
+    """tf.keras 2's loop with the gradients taken in a `tf.function` and
+    unscaled outside it: the function scales the loss in Python only when
+    it is traced, and the later steps are as scaled as the first."""
+    import tensorflow as tf
+
+    model = keras.Sequential([keras.Input((3,)), keras.layers.Dense(2)])
+    optimizer = keras_mp.LossScaleOptimizer(_sgd())
+
+    @tf.function
+    def gradients(x):
+        with tf.GradientTape() as tape:
+            loss = tf.reduce_mean(tf.square(model(x)))
+            scaled_loss = optimizer.get_scaled_loss(loss)
+        return tape.gradient(scaled_loss, model.trainable_variables)
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        for _ in range(3):
+            grads = optimizer.get_unscaled_gradients(gradients(np.ones((4, 3), "float32")))
+            optimizer.apply_gradients(zip(grads, model.trainable_variables))
+    assert int(keras.ops.convert_to_numpy(optimizer.iterations)) == 3
 
 
 @pytest.mark.parametrize(

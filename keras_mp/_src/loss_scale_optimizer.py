@@ -166,8 +166,7 @@ class LossScaleOptimizer(_KerasLossScaleOptimizer):
         self.initial_scale = float(initial_scale)
         self.dynamic_growth_steps = dynamic_growth_steps
         self._grads_unscaled_by_caller = False
-        self._loss_scaled = False  # since the last step (tf.keras 2's warning)
-        # Whether `scale_loss` was ever called (the unscaled-loss warning);
+        # Whether `scale_loss` was ever called (the unscaled-loss warnings);
         # read when a step is traced or run, never from a tensor.
         self._loss_ever_scaled = False
         self._warned_unscaled_loss = False
@@ -277,7 +276,6 @@ class LossScaleOptimizer(_KerasLossScaleOptimizer):
         trainable_variables = list(trainable_variables)
         unscaled_by_caller = self._grads_unscaled_by_caller
         self._grads_unscaled_by_caller = False
-        self._loss_scaled = False
         if not unscaled_by_caller:
             self._warn_if_the_loss_was_never_scaled("apply")
 
@@ -441,7 +439,6 @@ class LossScaleOptimizer(_KerasLossScaleOptimizer):
         Returns:
             `loss * loss_scale`, in float32 (or wider, if `loss` is wider).
         """
-        self._loss_scaled = True
         self._loss_ever_scaled = True
         scale, self._scale_is_the_steps = backends.current.read_scale(self.loss_scale)
         return ops.multiply(loss, scale)
@@ -462,14 +459,16 @@ class LossScaleOptimizer(_KerasLossScaleOptimizer):
         Returns:
             Unscaled gradients, each in its original dtype.
         """
-        if not self._loss_scaled:
+        if not self._loss_ever_scaled:
+            # "Ever", as for `apply`: a loss scaled in a `tf.function` is
+            # scaled in Python only when that function is traced.
             warnings.warn(
                 "LossScaleOptimizer.get_unscaled_gradients was called, but "
-                "the loss was not scaled since the last step: take the "
-                "gradients of `optimizer.get_scaled_loss(loss)` (or "
-                "`scale_loss`). Otherwise the gradients are divided by the "
-                "loss scale without having been multiplied by it, and the "
-                "steps are too small by that factor.",
+                "the loss was never scaled: take the gradients of "
+                "`optimizer.get_scaled_loss(loss)` (or `scale_loss`). "
+                "Otherwise the gradients are divided by the loss scale "
+                "without having been multiplied by it, and the steps are too "
+                "small by that factor.",
                 stacklevel=2,
             )
         unscaled = backends.current.unscale(list(grads), self.loss_scale.value, keep_dtype=True)
