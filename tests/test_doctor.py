@@ -196,6 +196,10 @@ def test_attention_and_subclassed_models():
     report = keras_mp.analyze(model, x, np.zeros((4, 2), "float32"), print_fn=None)
     names = [r["layer"] for r in report.rows]
     assert any("query" in n for n in names) and any("norm" in n for n in names)
+    # In the order they run, each layer's sublayers under it.
+    order = ["multi_head_attention", "query", "key", "value", "attention_output", "norm", "dense"]
+    positions = [next(i for i, n in enumerate(names) if part in n) for part in order]
+    assert positions == sorted(positions), names
     grads = sum(r["gradient_values"] for r in report.rows)
     assert grads == sum(int(np.prod(v.shape)) for v in model.trainable_variables)
 

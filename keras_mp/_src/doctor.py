@@ -34,6 +34,7 @@ from keras_mp._src.export import serving_copy
 from keras_mp._src.levels import check_half_dtype
 from keras_mp._src.policies import DENY_LIST
 from keras_mp._src.policies import check_model
+from keras_mp._src.policies import layers_in_order
 from keras_mp._src.table import WIDTH
 
 # Largest finite value and smallest positive (subnormal) value.
@@ -209,22 +210,14 @@ def analyze(
         )
     if not model.built:
         model(x)
-    layers = [
-        layer
-        for layer in model._flatten_layers(include_self=False, recursive=True)
-        if not isinstance(layer, (keras.Model, keras.layers.InputLayer))
-    ]
+    layers = _computing_layers(model)
     half = _half_dtype(layers, dtype)
     scale = _current_scale(model, loss_scale)
     loss_fn = _loss(model, loss)
 
     in_policy = _record_activations(model, layers, x)
     copy = serving_copy(model, "float32")
-    copy_layers = [
-        layer
-        for layer in copy._flatten_layers(include_self=False, recursive=True)
-        if not isinstance(layer, (keras.Model, keras.layers.InputLayer))
-    ]
+    copy_layers = _computing_layers(copy)
     in_float32 = _record_activations(copy, copy_layers, x)
     gradients = backends.current.float32_gradients(copy, x, y, loss_fn, sample_weight)
     by_variable = {
@@ -369,6 +362,16 @@ def _loss(model, loss):
         # A plain function of (y_true, y_pred): reduced as `compile` does.
         loss = LossFunctionWrapper(loss)
     return loss
+
+
+def _computing_layers(model):
+    """The layers that compute (no models, no inputs), in the order they run:
+    the same walk for the model and its float32 copy, so the two line up."""
+    return [
+        layer
+        for layer in layers_in_order(model)
+        if not isinstance(layer, (keras.Model, keras.layers.InputLayer))
+    ]
 
 
 def _record_activations(model, layers, x):

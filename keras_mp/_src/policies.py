@@ -662,7 +662,7 @@ def to_float(layer_or_model, dtype):
     policy = "float32" if name == "float32" else f"mixed_{name}"
     rule = f"to_float({name!r})"
     decisions = []
-    for layer in _layers(layer_or_model):
+    for layer in layers_in_order(layer_or_model):
         kept = _kept_rule(layer)
         if kept is not None:
             decisions.append((layer, (None, kept)))
@@ -696,7 +696,7 @@ def precision_summary(model, print_fn=None):
     """
     check_model(model)
     rows = []
-    for layer in _layers(model):
+    for layer in layers_in_order(model):
         policy = layer.dtype_policy
         rows.append(
             {
@@ -717,7 +717,7 @@ def precision_summary(model, print_fn=None):
     return summary
 
 
-def _layers(model):
+def layers_in_order(model):
     """The model and its layers, each once, depth first in the order they
     were added (Keras's recursive `_flatten_layers` lists a nested model's
     layers last to first)."""
@@ -787,6 +787,6 @@ def _convert_own_variables(layer, previous, variable_dtype):
 
 def _retrack_torch_parameters(model):
     """PyTorch modules register parameters by object, in every ancestor."""
-    for layer in _layers(model):
+    for layer in layers_in_order(model):
         if hasattr(layer, "_torch_params"):
             layer._track_variables()
