@@ -217,6 +217,79 @@ def test_fit_with_embedding_gradients():
     assert float(_numpy(optimizer.loss_scale)) == 2.0**17  # 4 finite steps: 2 growths
 
 
+class AddsItsOwnLoss(keras.layers.Layer):
+    """A user's layer with `add_loss` in its compute dtype (a VAE's KL term)."""
+
+    def call(self, x):
+        self.add_loss(0.5 * keras.ops.mean(keras.ops.square(x)))
+        return x
+
+
+def _regularized_model():
+    keras.utils.set_random_seed(3)
+    inputs = keras.Input((8,))
+    h = keras.layers.Dense(
+        16,
+        activation="relu",
+        kernel_regularizer=keras.regularizers.L2(0.05),
+        activity_regularizer=keras.regularizers.L2(0.01),
+    )(inputs)
+    h = keras.layers.ActivityRegularization(l1=0.01)(h)
+    h = AddsItsOwnLoss()(h)
+    outputs = keras.layers.Dense(2, activation="softmax")(h)
+    return keras.Model(inputs, outputs)
+
+
+REGULARIZED = [("O1", "float16"), ("O2", "bfloat16"), ("O3", "float16"), ("O3", "bfloat16")]
+
+
+@pytest.mark.parametrize(
+    "level, half", REGULARIZED + [("mixed_float16", None)], ids=lambda v: v or "keras"
+)
+def test_regularization_and_add_loss_count_in_float32(level, half):
+    """Activity regularization, `add_loss` in a half layer and O3's
+    `kernel_regularizer` on half weights give half losses; Keras sums them
+    with the float32 loss, which TensorFlow refused (a TypeError at the
+    first step, under Keras's own `mixed_float16` too; tf.keras 2 trained
+    them). Each level's first loss is the float32 model's, regularization
+    included, within the half dtype's rounding."""
+    x, y = _data(with_nan=False)
+
+    def first_losses(**compile_kwargs):
+        keras.config.set_dtype_policy("mixed_float16" if level == "mixed_float16" else "float32")
+        try:
+            model = _regularized_model()
+        finally:
+            keras.config.set_dtype_policy("float32")
+        if level == "mixed_float16":
+            compile_kwargs["optimizer"] = keras_mp.LossScaleOptimizer(keras.optimizers.Adam(1e-2))
+        model.compile(
+            **{"optimizer": keras.optimizers.Adam(1e-2), **compile_kwargs},
+            loss="sparse_categorical_crossentropy",
+        )
+        # One batch a step: each step's loss is taken before its update.
+        history = model.fit(x, y, batch_size=len(x), epochs=2, verbose=0)
+        return model, history.history["loss"]
+
+    _, float32_losses = first_losses()
+    predictions = _regularized_model().predict(x, verbose=0)  # the same weights, float32
+    without_regularization = float(
+        _numpy(keras.losses.sparse_categorical_crossentropy(y, predictions)).mean()
+    )
+    # What the test is about: the added losses are a good part of the total.
+    assert float32_losses[0] > without_regularization + 0.1, (
+        float32_losses,
+        without_regularization,
+    )
+
+    amp = {} if level == "mixed_float16" else {"amp_level": level, "amp_dtype": half}
+    model, losses = first_losses(**amp)
+    rtol = 2e-2 if half == "bfloat16" else 5e-3
+    np.testing.assert_allclose(losses[0], float32_losses[0], rtol=rtol)
+    assert losses[1] < losses[0]  # and it trains
+    assert all(np.isfinite(_numpy(w)).all() for w in model.trainable_variables)
+
+
 @pytest.mark.parametrize("level", ["O0", "O1", "O2", "O3"])
 @pytest.mark.parametrize("how", ["run_eagerly", "no_jit"])
 def test_fit_evaluate_predict_run_eagerly_at_every_level(level, how):

@@ -33,6 +33,9 @@ _DEFAULT = "default"
 _keras_compile = Trainer.compile
 _keras_compile_from_config = Trainer.compile_from_config
 _keras_compile_signature = inspect.signature(_keras_compile)
+# Private in Keras (the sum of each `add_loss`/regularizer loss); absent in
+# a Keras that sums them some other way, then left alone.
+_keras_aggregate_additional_loss = getattr(Trainer, "_aggregate_additional_loss", None)
 
 
 def pick_auto_level():
@@ -355,11 +358,30 @@ def _takes(method, config):
     return True
 
 
+def _aggregate_additional_loss_in_floatx(self, loss):
+    """A layer's `add_loss`, activity or weight regularization loss, in floatx.
+
+    A layer computing in half adds its activity regularization (and O3's
+    half weights their `kernel_regularizer` losses) in half; Keras then sums
+    them with the float32 loss, which TensorFlow refuses ("Cannot convert a
+    list containing a tensor of dtype float16 to float32"), under Keras's own
+    mixed policies too. tf.keras 2 cast them to the widest dtype first
+    (`cast_losses_to_common_dtype`); so does this, before the sum.
+    """
+    if keras.backend.standardize_dtype(loss.dtype) in ("float16", "bfloat16"):
+        if keras.config.floatx() in ("float32", "float64"):
+            loss = keras.ops.cast(loss, keras.config.floatx())
+    return _keras_aggregate_additional_loss(self, loss)
+
+
 def install():
-    """Adds the amp keywords to `keras.Model.compile` (idempotent)."""
+    """Adds the amp keywords to `keras.Model.compile` (idempotent), and sums
+    half additional losses in floatx (`_aggregate_additional_loss_in_floatx`)."""
     if Trainer.compile is not _compile_with_amp:
         # On Trainer itself, so Keras still sees `compile` as not overridden
         # and `load_model` recompiles saved models (with their amp settings).
         Trainer.compile = _compile_with_amp
     if Trainer.compile_from_config is not _compile_from_config_with_amp:
         Trainer.compile_from_config = _compile_from_config_with_amp
+    if _keras_aggregate_additional_loss is not None:
+        Trainer._aggregate_additional_loss = _aggregate_additional_loss_in_floatx
