@@ -1,8 +1,9 @@
 """Accuracy parity on real data: scikit-learn's bundled digits (no download).
 
-A small CNN trained at O0, O1 (bfloat16) and O2 (float16), with fixed
-seeds and enough epochs to converge: each level's test accuracy, averaged
-over the same few seeds, is within 1 point of the float32 (O0) one.
+A small CNN trained at O0, O1 (bfloat16), O2 (float16) and O3 (bfloat16,
+with master weights), with fixed seeds and enough epochs to converge: each
+level's test accuracy, averaged over the same few seeds, is within 1 point
+of the float32 (O0) one. All of them on TensorFlow, O2 on every backend.
 
 Why an average and not one seed: the test set is 597 images, and float32
 against itself with another seed already moves by up to 8 of them (1.3
@@ -82,10 +83,19 @@ def float32_accuracies():
 
 # Each cell is 3 seeds x 40 epochs: each level runs once, the two cells
 # covering both dtypes (O1 in bfloat16, O2 in float16 with its loss scaling).
-CELLS = [("O1", "bfloat16"), ("O2", "float16")]
+# Every cell runs on TensorFlow, the main backend; JAX and PyTorch run the
+# usual choice, O2 in float16 with its dynamic loss scaling (CI time: a cell
+# costs 30-60 s there). The other cells' policies are the same code on every
+# backend, and O3's master-weight updates follow float32's step by step on
+# each backend (test_master_weights.py).
+MAIN_BACKEND_ONLY = pytest.mark.skipif(
+    keras.backend.backend() != "tensorflow",
+    reason="on the main backend only (CI time); O2 float16 runs on every backend",
+)
+CELLS = [pytest.param("O1", "bfloat16", marks=MAIN_BACKEND_ONLY), ("O2", "float16")]
 
 
-@pytest.mark.parametrize("level, dtype", CELLS, ids=["-".join(c) for c in CELLS])
+@pytest.mark.parametrize("level, dtype", CELLS, ids=["O1-bfloat16", "O2-float16"])
 def test_mixed_precision_matches_float32(float32_accuracies, level, dtype):
     accuracies = _accuracies(level, dtype)
     gap = np.mean(accuracies) - np.mean(float32_accuracies)
@@ -95,6 +105,7 @@ def test_mixed_precision_matches_float32(float32_accuracies, level, dtype):
     )
 
 
+@MAIN_BACKEND_ONLY
 @pytest.mark.parametrize("master_weights", [True, "compensated"])
 def test_o3_with_master_weights_matches_float32(float32_accuracies, master_weights):
     """O3 bfloat16 (half variables), with float32 master weights or with

@@ -105,4 +105,8 @@ def test_help_describes_every_option_before_keras_loads(name):
 def test_export_example_runs(tmp_path):
     result = _run("export_savedmodel.py", "--out", str(tmp_path), "--epochs", "1")
     assert result.stdout.count("predicted classes:") == 2
+    # As trained and in float32: the in-memory model's probabilities, to
+    # float16's rounding.
+    differences = re.findall(r"largest difference from the in-memory model: (\S+)", result.stdout)
+    assert len(differences) == 2 and max(map(float, differences)) < 1e-2, result.stdout
     assert os.path.exists(tmp_path / "model.keras")

@@ -342,5 +342,6 @@ def test_lora_fine_tuning_of_a_bfloat16_keras_hub_model():
     assert reference > 0
     moved = np.linalg.norm(lora_updates("O3")) / reference
     assert 0.5 < moved < 2, moved
-    moved = np.linalg.norm(lora_updates("O3", lora_first=False)) / reference
-    assert 0.5 < moved < 2, moved
+    if keras.backend.backend() != "jax":  # each fit compiles BERT there (CI time)
+        moved = np.linalg.norm(lora_updates("O3", lora_first=False)) / reference
+        assert 0.5 < moved < 2, moved
