@@ -243,35 +243,32 @@ def _regularized_model():
 REGULARIZED = [("O1", "float16"), ("O2", "bfloat16"), ("O3", "float16"), ("O3", "bfloat16")]
 
 
-@pytest.mark.parametrize(
-    "level, half", REGULARIZED + [("mixed_float16", None)], ids=lambda v: v or "keras"
-)
-def test_regularization_and_add_loss_count_in_float32(level, half):
+@pytest.mark.parametrize("how", ["compile", "apply_amp"])
+@pytest.mark.parametrize("level, half", REGULARIZED, ids=["-".join(c) for c in REGULARIZED])
+def test_regularization_and_add_loss_count_in_float32(level, half, how):
     """Activity regularization, `add_loss` in a half layer and O3's
     `kernel_regularizer` on half weights give half losses; Keras sums them
     with the float32 loss, which TensorFlow refused (a TypeError at the
-    first step, under Keras's own `mixed_float16` too; tf.keras 2 trained
-    them). Each level's first loss is the float32 model's, regularization
-    included, within the half dtype's rounding."""
+    first step, as under Keras's own `mixed_float16`; tf.keras 2 trained
+    them). Through `compile(amp_level=...)` or `apply_amp` and a plain
+    `compile`, each level's first loss is the float32 model's,
+    regularization included, within the half dtype's rounding."""
     x, y = _data(with_nan=False)
 
-    def first_losses(**compile_kwargs):
-        keras.config.set_dtype_policy("mixed_float16" if level == "mixed_float16" else "float32")
-        try:
-            model = _regularized_model()
-        finally:
-            keras.config.set_dtype_policy("float32")
-        if level == "mixed_float16":
-            compile_kwargs["optimizer"] = keras_mp.LossScaleOptimizer(keras.optimizers.Adam(1e-2))
-        model.compile(
-            **{"optimizer": keras.optimizers.Adam(1e-2), **compile_kwargs},
-            loss="sparse_categorical_crossentropy",
-        )
+    def losses_and_model(level=None):
+        model = _regularized_model()
+        amp, optimizer = {}, keras.optimizers.Adam(1e-2)
+        if level is not None and how == "compile":
+            amp = {"amp_level": level, "amp_dtype": half}
+        elif level is not None:
+            keras_mp.apply_amp(model, level, half)
+            optimizer = keras_mp.LossScaleOptimizer(optimizer)
+        model.compile(optimizer=optimizer, loss="sparse_categorical_crossentropy", **amp)
         # One batch a step: each step's loss is taken before its update.
         history = model.fit(x, y, batch_size=len(x), epochs=2, verbose=0)
-        return model, history.history["loss"]
+        return history.history["loss"], model
 
-    _, float32_losses = first_losses()
+    float32_losses, _ = losses_and_model()
     predictions = _regularized_model().predict(x, verbose=0)  # the same weights, float32
     without_regularization = float(
         _numpy(keras.losses.sparse_categorical_crossentropy(y, predictions)).mean()
@@ -282,8 +279,7 @@ def test_regularization_and_add_loss_count_in_float32(level, half):
         without_regularization,
     )
 
-    amp = {} if level == "mixed_float16" else {"amp_level": level, "amp_dtype": half}
-    model, losses = first_losses(**amp)
+    losses, model = losses_and_model(level)
     rtol = 2e-2 if half == "bfloat16" else 5e-3
     np.testing.assert_allclose(losses[0], float32_losses[0], rtol=rtol)
     assert losses[1] < losses[0]  # and it trains

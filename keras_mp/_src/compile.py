@@ -25,6 +25,7 @@ from keras_mp._src.loss_scale_optimizer import LossScaleOptimizer
 from keras_mp._src.master_weights import COMPENSATED
 from keras_mp._src.master_weights import check_master_weights
 from keras_mp._src.policies import apply_amp
+from keras_mp._src.policies import is_amp_model
 from keras_mp._src.train_step import guard_train_step
 
 AMP_ARGUMENTS = ("amp_level", "amp_dtype", "loss_scale", "keep_batchnorm_fp32", "master_weights")
@@ -366,11 +367,15 @@ def _aggregate_additional_loss_in_floatx(self, loss):
     them with the float32 loss, which TensorFlow refuses ("Cannot convert a
     list containing a tensor of dtype float16 to float32"), under Keras's own
     mixed policies too. tf.keras 2 cast them to the widest dtype first
-    (`cast_losses_to_common_dtype`); so does this, before the sum.
+    (`cast_losses_to_common_dtype`); so does this, before the sum, for the
+    models whose precision keras_mp set. Other models get Keras's own.
     """
-    if keras.backend.standardize_dtype(loss.dtype) in ("float16", "bfloat16"):
-        if keras.config.floatx() in ("float32", "float64"):
-            loss = keras.ops.cast(loss, keras.config.floatx())
+    if (
+        is_amp_model(self)
+        and keras.backend.standardize_dtype(loss.dtype) in ("float16", "bfloat16")
+        and keras.config.floatx() in ("float32", "float64")
+    ):
+        loss = keras.ops.cast(loss, keras.config.floatx())
     return _keras_aggregate_additional_loss(self, loss)
 
 

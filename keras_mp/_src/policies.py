@@ -97,6 +97,20 @@ _RULE_ATTRIBUTE = "_keras_mp_rule"
 _CASTS_ATTRIBUTE = "_keras_mp_boundary_casts"
 _ENTRY_DTYPE_ATTRIBUTE = "_keras_mp_entry_dtype"
 _OUTPUT_DTYPE_ATTRIBUTE = "_keras_mp_output_dtype"
+# Set on a model that `apply_amp` or `to_float` was given (see `is_amp_model`).
+_AMP_MODEL_ATTRIBUTE = "_keras_mp_amp_model"
+
+
+def _mark_amp_model(model):
+    if isinstance(model, keras.Model):
+        object.__setattr__(model, _AMP_MODEL_ATTRIBUTE, True)
+
+
+def is_amp_model(model):
+    """Whether keras_mp set this model's precision (`apply_amp`, `to_float`,
+    `compile(amp_level=...)`): what keras_mp changes of Keras's behaviour
+    beyond the policies applies to such models only."""
+    return getattr(model, _AMP_MODEL_ATTRIBUTE, False)
 
 
 def _matches(layer, entries):
@@ -589,6 +603,7 @@ def apply_amp(
         decisions.append((layer, (policy, rule)))
     _set_policies(model, decisions)
     _set_boundaries(model, outputs, entry_dtype)
+    _mark_amp_model(model)
     return model
 
 
@@ -674,6 +689,7 @@ def to_float(layer_or_model, dtype):
     # One dtype inside: no sublayer casts its outputs any more. What the
     # layer itself returns to its caller is left as it was.
     _set_boundaries(layer_or_model)
+    _mark_amp_model(layer_or_model)
     return layer_or_model
 
 
