@@ -126,6 +126,56 @@ def test_amp_settings_travel_with_the_saved_model(tmp_path):
     loaded.fit(x, y, epochs=1, batch_size=8, verbose=0)
 
 
+LAYER_LISTS = {
+    # O2 would compute "hidden" in float16; O1 would keep "bn" float32.
+    "O2-deny-by-name": ("O2", {"deny": ["hidden"]}, "hidden", "float32", ["hidden"]),
+    "O1-allow-by-class": (
+        "O1",
+        {"allow": [keras.layers.BatchNormalization]},
+        "bn",
+        "mixed_float16",
+        ["bn"],
+    ),
+}
+
+
+@pytest.mark.parametrize("how", ["apply_amp_first", "compile_keywords"])
+@pytest.mark.parametrize("case", list(LAYER_LISTS))
+def test_layers_you_allow_or_deny_keep_their_dtype_under_compile_and_after_loading(
+    case, how, tmp_path
+):
+    """`apply_amp(model, level, allow=..., deny=...)`, then
+    `compile(amp_level=...)`, which applies the level again: the layers keep
+    the user's lists (they were dropped before); so does
+    `compile(amp_allow=..., amp_deny=...)`, the config (as the names of the
+    layers they match) and the model `load_model` gives back."""
+    level, lists, name, policy, names = LAYER_LISTS[case]
+    model = _model()
+    if how == "apply_amp_first":
+        keras_mp.apply_amp(model, level, **lists)
+        amp = {}
+    else:
+        amp = {f"amp_{key}": value for key, value in lists.items()}
+    model.compile(optimizer="adam", loss="sparse_categorical_crossentropy", amp_level=level, **amp)
+    assert model.get_layer(name).dtype_policy.name == policy
+    (key,) = lists
+    assert model.get_compile_config()[f"amp_{key}"] == names
+    x, y = _data()
+    model.fit(x, y, epochs=1, batch_size=8, verbose=0)
+    path = str(tmp_path / "lists.keras")
+    model.save(path)
+    loaded = keras.models.load_model(path)
+    for layer in model.layers:
+        assert loaded.get_layer(layer.name).dtype_policy.name == layer.dtype_policy.name
+    assert loaded.get_compile_config()[f"amp_{key}"] == names
+    np.testing.assert_array_equal(loaded.predict(x, verbose=0), model.predict(x, verbose=0))
+    # A later `apply_amp` without them clears them.
+    keras_mp.apply_amp(model, level)
+    model.compile(optimizer="adam", loss="sparse_categorical_crossentropy", amp_level=level)
+    assert model.get_layer(name).dtype_policy.name != policy
+    assert model.get_compile_config()[f"amp_{key}"] is None
+
+
 @pytest.mark.parametrize(
     "kwargs, error, fragment",
     [
@@ -145,6 +195,9 @@ def test_amp_settings_travel_with_the_saved_model(tmp_path):
         ),
         ({"amp_level": "O2", "keep_batchnorm_fp32": "x"}, TypeError, "keep_batchnorm_fp32='x'"),
         ({"amp_dtype": "bfloat16"}, ValueError, "need `amp_level`"),
+        ({"amp_deny": ["bn"]}, ValueError, "amp_deny=['bn']"),
+        ({"amp_level": "O2", "amp_deny": 3}, TypeError, "Received: amp_deny=3"),
+        ({"amp_level": "O1", "amp_allow": [len]}, TypeError, "layer names (strings)"),
     ],
 )
 def test_bad_amp_arguments(kwargs, error, fragment):

@@ -25,10 +25,21 @@ from keras_mp._src.loss_scale_optimizer import LossScaleOptimizer
 from keras_mp._src.master_weights import COMPENSATED
 from keras_mp._src.master_weights import check_master_weights
 from keras_mp._src.policies import apply_amp
+from keras_mp._src.policies import check_layer_list
 from keras_mp._src.policies import is_amp_model
+from keras_mp._src.policies import layer_lists
+from keras_mp._src.policies import matched_layer_names
 from keras_mp._src.train_step import guard_train_step
 
-AMP_ARGUMENTS = ("amp_level", "amp_dtype", "loss_scale", "keep_batchnorm_fp32", "master_weights")
+AMP_ARGUMENTS = (
+    "amp_level",
+    "amp_dtype",
+    "loss_scale",
+    "keep_batchnorm_fp32",
+    "master_weights",
+    "amp_allow",
+    "amp_deny",
+)
 _DEFAULT = "default"
 
 _keras_compile = Trainer.compile
@@ -238,8 +249,10 @@ def compile(model, *args, **kwargs):
         *args, **kwargs: `keras.Model.compile`'s arguments, plus
             `amp_level` ("O0"-"O3" or "auto"), `amp_dtype` ("float16" or
             "bfloat16"), `loss_scale` ("dynamic", a number for a fixed scale,
-            or None), `keep_batchnorm_fp32` and `master_weights` (None:
-            True; O3's half variables are updated through float32 copies).
+            or None), `keep_batchnorm_fp32`, `master_weights` (None:
+            True; O3's half variables are updated through float32 copies),
+            and `amp_allow`/`amp_deny`: `apply_amp`'s `allow`/`deny` (None:
+            those of the model's latest `apply_amp`, if any).
     """
     if not isinstance(model, keras.Model):
         raise TypeError(
@@ -258,6 +271,8 @@ def _compile_with_amp(
     loss_scale=_DEFAULT,
     keep_batchnorm_fp32=None,
     master_weights=None,
+    amp_allow=None,
+    amp_deny=None,
     **kwargs,
 ):
     if amp_level is None:
@@ -266,15 +281,18 @@ def _compile_with_amp(
             or loss_scale is not _DEFAULT
             or keep_batchnorm_fp32 is not None
             or master_weights is not None
+            or amp_allow is not None
+            or amp_deny is not None
         ):
             raise ValueError(
-                "`amp_dtype`, `loss_scale`, `keep_batchnorm_fp32` and "
-                "`master_weights` need `amp_level` (one of "
-                f"{', '.join(LEVELS)} or 'auto'). Received: "
+                "`amp_dtype`, `loss_scale`, `keep_batchnorm_fp32`, "
+                "`master_weights`, `amp_allow` and `amp_deny` need `amp_level` "
+                f"(one of {', '.join(LEVELS)} or 'auto'). Received: "
                 f"amp_level=None, amp_dtype={amp_dtype!r}, "
                 f"loss_scale={loss_scale!r}, "
                 f"keep_batchnorm_fp32={keep_batchnorm_fp32!r}, "
-                f"master_weights={master_weights!r}"
+                f"master_weights={master_weights!r}, "
+                f"amp_allow={amp_allow!r}, amp_deny={amp_deny!r}"
             )
         result = _keras_compile(self, *args, **kwargs)
         _check_distribution(self)
@@ -285,11 +303,18 @@ def _compile_with_amp(
     level, dtype, loss_scale, keep_batchnorm_fp32 = resolve_amp(
         amp_level, amp_dtype, loss_scale, keep_batchnorm_fp32, master_weights
     )
+    # Those of the model's latest `apply_amp` unless given: a layer the
+    # user denied there stays float32 under `compile(amp_level=...)`.
+    allow, deny = layer_lists(self)
+    if amp_allow is not None:
+        allow = check_layer_list(amp_allow, "amp_allow")
+    if amp_deny is not None:
+        deny = check_layer_list(amp_deny, "amp_deny")
     bound = _keras_compile_signature.bind(self, *args, **kwargs)
     bound.apply_defaults()
     arguments = dict(bound.arguments)
     arguments.pop("self")
-    apply_amp(self, level, dtype, keep_batchnorm_fp32=keep_batchnorm_fp32)
+    apply_amp(self, level, dtype, keep_batchnorm_fp32=keep_batchnorm_fp32, allow=allow, deny=deny)
     optimizer = _wrap_optimizer(
         keras.optimizers.get(arguments["optimizer"]),
         loss_scale,
@@ -308,6 +333,9 @@ def _compile_with_amp(
         loss_scale=loss_scale,
         keep_batchnorm_fp32=keep_batchnorm_fp32,
         master_weights=master_weights,
+        # As the names of the layers they matched (a config holds no classes).
+        amp_allow=matched_layer_names(self, allow) or None,
+        amp_deny=matched_layer_names(self, deny) or None,
     )
     guard_train_step(self)
     return result
@@ -341,6 +369,8 @@ def _compile_from_config_with_amp(self, config):
             amp["amp_level"],
             amp["amp_dtype"] or "float16",
             keep_batchnorm_fp32=amp["keep_batchnorm_fp32"],
+            allow=amp["amp_allow"],
+            deny=amp["amp_deny"],
         )
         if type(self).compile is not Trainer.compile and _takes(self.compile, config):
             self.compile(**keras.saving.deserialize_keras_object(config))

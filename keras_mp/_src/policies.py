@@ -99,6 +99,7 @@ _ENTRY_DTYPE_ATTRIBUTE = "_keras_mp_entry_dtype"
 _OUTPUT_DTYPE_ATTRIBUTE = "_keras_mp_output_dtype"
 # Set on a model that `apply_amp` or `to_float` was given (see `is_amp_model`).
 _AMP_MODEL_ATTRIBUTE = "_keras_mp_amp_model"
+_LAYER_LISTS_ATTRIBUTE = "_keras_mp_layer_lists"
 
 
 def _mark_amp_model(model):
@@ -137,7 +138,7 @@ def _denied(layer, deny):
     return _matches(layer, deny) or _is_normalization(layer)
 
 
-def _check_layer_list(value, argument):
+def check_layer_list(value, argument):
     if value is None:
         return ()
     if isinstance(value, (str, type)):
@@ -552,9 +553,10 @@ def apply_amp(
             "`keep_batchnorm_fp32` must be True, False or None. "
             f"Received: keep_batchnorm_fp32={keep_batchnorm_fp32!r}"
         )
-    user_allow = _check_layer_list(allow, "allow")
+    user_allow = check_layer_list(allow, "allow")
     allow = ALLOW_LIST + user_allow
-    deny = DENY_LIST + _check_layer_list(deny, "deny")
+    user_deny = check_layer_list(deny, "deny")
+    deny = DENY_LIST + user_deny
     outputs = _output_layers(model)
     entry_dtype = {"all": half, "deny": half}.get(level_spec.half_compute, "float32")
     if (
@@ -604,7 +606,25 @@ def apply_amp(
     _set_policies(model, decisions)
     _set_boundaries(model, outputs, entry_dtype)
     _mark_amp_model(model)
+    object.__setattr__(model, _LAYER_LISTS_ATTRIBUTE, (user_allow, user_deny))
     return model
+
+
+def layer_lists(model):
+    """The `allow` and `deny` entries the latest `apply_amp` of `model` was
+    given (empty tuples when none): `compile(amp_level=...)` applies its
+    level with them, so that a layer you denied stays float32."""
+    return getattr(model, _LAYER_LISTS_ATTRIBUTE, ((), ()))
+
+
+def matched_layer_names(model, entries):
+    """`entries` (layer classes or names) as the names of the layers of
+    `model` they match, in order, without repeats: what a config can hold."""
+    names = [e for e in entries if isinstance(e, str)]
+    classes = tuple(e for e in entries if isinstance(e, type))
+    if classes:
+        names += [layer.name for layer, _ in _tree(model) if isinstance(layer, classes)]
+    return list(dict.fromkeys(names))
 
 
 def _set_boundaries(model, outputs=None, entry_dtype=None):
