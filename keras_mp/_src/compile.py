@@ -28,22 +28,20 @@ from keras_mp._src.policies import apply_amp
 from keras_mp._src.policies import check_layer_list
 from keras_mp._src.policies import is_amp_model
 from keras_mp._src.policies import layer_lists
-from keras_mp._src.policies import matched_layer_names
+from keras_mp._src.policies import precision_record
+from keras_mp._src.policies import restore_precision
 from keras_mp._src.train_step import guard_train_step
 
-AMP_ARGUMENTS = (
-    "amp_level",
-    "amp_dtype",
-    "loss_scale",
-    "keep_batchnorm_fp32",
-    "master_weights",
-    "amp_allow",
-    "amp_deny",
-)
+AMP_ARGUMENTS = ("amp_level", "amp_dtype", "loss_scale", "keep_batchnorm_fp32", "master_weights")
+# The compile config's record of each layer's precision (`precision_record`).
+AMP_LAYERS = "amp_layers"
+# A loaded model's record, until its compile restores it (`_restore_saved`).
+_SAVED_PRECISION = "_keras_mp_saved_precision"
 _DEFAULT = "default"
 
 _keras_compile = Trainer.compile
 _keras_compile_from_config = Trainer.compile_from_config
+_keras_get_compile_config = Trainer.get_compile_config
 _keras_compile_signature = inspect.signature(_keras_compile)
 # Private in Keras (the sum of each `add_loss`/regularizer loss); absent in
 # a Keras that sums them some other way, then left alone.
@@ -294,6 +292,7 @@ def _compile_with_amp(
                 f"master_weights={master_weights!r}, "
                 f"amp_allow={amp_allow!r}, amp_deny={amp_deny!r}"
             )
+        _restore_saved(self)
         result = _keras_compile(self, *args, **kwargs)
         _check_distribution(self)
         # keras_mp's optimizer reports its loss scale in `fit`'s logs; a
@@ -315,6 +314,7 @@ def _compile_with_amp(
     arguments = dict(bound.arguments)
     arguments.pop("self")
     apply_amp(self, level, dtype, keep_batchnorm_fp32=keep_batchnorm_fp32, allow=allow, deny=deny)
+    _restore_saved(self)
     optimizer = _wrap_optimizer(
         keras.optimizers.get(arguments["optimizer"]),
         loss_scale,
@@ -333,9 +333,6 @@ def _compile_with_amp(
         loss_scale=loss_scale,
         keep_batchnorm_fp32=keep_batchnorm_fp32,
         master_weights=master_weights,
-        # As the names of the layers they matched (a config holds no classes).
-        amp_allow=matched_layer_names(self, allow) or None,
-        amp_deny=matched_layer_names(self, deny) or None,
     )
     guard_train_step(self)
     return result
@@ -345,6 +342,31 @@ def _check_distribution(model):
     """Refuses, at compile time rather than mid-fit, what the step cannot run under."""
     if isinstance(model.optimizer, LossScaleOptimizer):
         backends.current.check_compile(model)
+
+
+@functools.wraps(_keras_get_compile_config)
+def _get_compile_config_with_precision(self):
+    """Keras's compile config; for a model whose precision keras_mp set, with
+    each layer's (`precision_record`), as it is when the config is taken:
+    a `to_float` after `compile` is saved too."""
+    config = _keras_get_compile_config(self)
+    if config and is_amp_model(self):
+        config = {**config, AMP_LAYERS: precision_record(self)}
+    return config
+
+
+def _restore_saved(model):
+    """Gives a loaded model the precision its compile config recorded, once:
+    after its level is applied and before its optimizer is built."""
+    record = model.__dict__.pop(_SAVED_PRECISION, None)
+    if record is not None and not restore_precision(model, record):
+        warnings.warn(
+            f"keras_mp: the per-layer precision saved in the compile config "
+            f"does not match model {model.name!r} ({len(record)} layers "
+            f"saved; its layers differ in number or class), so it was not "
+            f"applied; the model has its level's precision instead.",
+            stacklevel=3,
+        )
 
 
 @functools.wraps(_keras_compile_from_config)
@@ -361,23 +383,36 @@ def _compile_from_config_with_amp(self, config):
     every saved argument (KerasHub's tasks pass them on to Keras's), or its
     optimizer, the loss scale with it, would not be loaded: the model would
     resume with the optimizer its constructor made, from scale 2**15.
+
+    Each layer's own precision, as saved (`AMP_LAYERS`), is then given back
+    by the compile, after the level and before the optimizer is built (or
+    here, where no compile runs): what `allow`/`deny` and `to_float` chose,
+    and the layers a block of the user's makes, which its config does not
+    hold.
     """
-    amp = {k: config.get(k) for k in AMP_ARGUMENTS} if isinstance(config, dict) else {}
-    if amp.get("amp_level") is not None:
-        apply_amp(
-            self,
-            amp["amp_level"],
-            amp["amp_dtype"] or "float16",
-            keep_batchnorm_fp32=amp["keep_batchnorm_fp32"],
-            allow=amp["amp_allow"],
-            deny=amp["amp_deny"],
-        )
-        if type(self).compile is not Trainer.compile and _takes(self.compile, config):
-            self.compile(**keras.saving.deserialize_keras_object(config))
-            if self.built and getattr(self, "optimizer", None) is not None:
-                self.optimizer.build(self.trainable_variables)  # as Keras's does
-            return None
-    return _keras_compile_from_config(self, config)
+    if not isinstance(config, dict):
+        return _keras_compile_from_config(self, config)
+    config = dict(config)
+    record = config.pop(AMP_LAYERS, None)
+    if record is not None:
+        object.__setattr__(self, _SAVED_PRECISION, record)
+    try:
+        amp = {k: config.get(k) for k in AMP_ARGUMENTS}
+        if amp["amp_level"] is not None:
+            apply_amp(
+                self,
+                amp["amp_level"],
+                amp["amp_dtype"] or "float16",
+                keep_batchnorm_fp32=amp["keep_batchnorm_fp32"],
+            )
+            if type(self).compile is not Trainer.compile and _takes(self.compile, config):
+                self.compile(**keras.saving.deserialize_keras_object(config))
+                if self.built and getattr(self, "optimizer", None) is not None:
+                    self.optimizer.build(self.trainable_variables)  # as Keras's does
+                return None
+        return _keras_compile_from_config(self, config)
+    finally:
+        _restore_saved(self)  # a model that Keras left uncompiled
 
 
 def _takes(method, config):
@@ -410,13 +445,16 @@ def _aggregate_additional_loss_in_floatx(self, loss):
 
 
 def install():
-    """Adds the amp keywords to `keras.Model.compile` (idempotent), and sums
-    half additional losses in floatx (`_aggregate_additional_loss_in_floatx`)."""
+    """Adds the amp keywords to `keras.Model.compile` (idempotent), saves and
+    restores each layer's precision with the compile config, and sums half
+    additional losses in floatx (`_aggregate_additional_loss_in_floatx`)."""
     if Trainer.compile is not _compile_with_amp:
         # On Trainer itself, so Keras still sees `compile` as not overridden
         # and `load_model` recompiles saved models (with their amp settings).
         Trainer.compile = _compile_with_amp
     if Trainer.compile_from_config is not _compile_from_config_with_amp:
         Trainer.compile_from_config = _compile_from_config_with_amp
+    if Trainer.get_compile_config is not _get_compile_config_with_precision:
+        Trainer.get_compile_config = _get_compile_config_with_precision
     if _keras_aggregate_additional_loss is not None:
         Trainer._aggregate_additional_loss = _aggregate_additional_loss_in_floatx

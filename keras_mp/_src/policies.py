@@ -100,6 +100,7 @@ _OUTPUT_DTYPE_ATTRIBUTE = "_keras_mp_output_dtype"
 # Set on a model that `apply_amp` or `to_float` was given (see `is_amp_model`).
 _AMP_MODEL_ATTRIBUTE = "_keras_mp_amp_model"
 _LAYER_LISTS_ATTRIBUTE = "_keras_mp_layer_lists"
+_LOADABLE_CONFIG_ATTRIBUTE = "_keras_mp_loadable_config"
 
 
 def _mark_amp_model(model):
@@ -118,6 +119,9 @@ def _matches(layer, entries):
     for entry in entries:
         if isinstance(entry, str):
             if layer.name == entry:
+                return True
+        elif isinstance(entry, keras.layers.Layer):
+            if layer is entry:
                 return True
         elif isinstance(layer, entry):
             return True
@@ -141,19 +145,20 @@ def _denied(layer, deny):
 def check_layer_list(value, argument):
     if value is None:
         return ()
-    if isinstance(value, (str, type)):
+    if isinstance(value, (str, type, keras.layers.Layer)):
         value = (value,)
     try:
         entries = tuple(value)
     except TypeError:
         entries = None
     if entries is None or not all(
-        isinstance(e, str) or (isinstance(e, type) and issubclass(e, keras.layers.Layer))
+        isinstance(e, (str, keras.layers.Layer))
+        or (isinstance(e, type) and issubclass(e, keras.layers.Layer))
         for e in entries
     ):
         raise TypeError(
             f"`{argument}` must be a list of layer classes (subclasses of "
-            f"`keras.layers.Layer`) or layer names (strings). "
+            f"`keras.layers.Layer`), layer names (strings) or layers. "
             f"Received: {argument}={value!r}"
         )
     return entries
@@ -522,16 +527,16 @@ def apply_amp(
         level: one of `"O0"`, `"O1"`, `"O2"`, `"O3"`.
         dtype: the half dtype, `"float16"` or `"bfloat16"`.
         keep_batchnorm_fp32: bool or `None` (float32 BatchNorm except at O3).
-        allow: layer classes or names to add to the allow-list (O1), or, at
-            O2, your own composite layers to run in half.
-        deny: layer classes or names to add to the deny-list (O2).
+        allow: layer classes, names or layers to add to the allow-list
+            (O1), or, at O2, your own composite layers to run in half.
+        deny: layer classes, names or layers to add to the deny-list (O2).
 
     Returns:
         `model`, changed in place.
 
     Raises:
         TypeError: `model` is not a Keras layer, or `allow`/`deny` hold
-            something other than layer classes and names.
+            something other than layer classes, names and layers.
         ValueError: unknown `level` or `dtype`.
 
     Example:
@@ -617,14 +622,62 @@ def layer_lists(model):
     return getattr(model, _LAYER_LISTS_ATTRIBUTE, ((), ()))
 
 
-def matched_layer_names(model, entries):
-    """`entries` (layer classes or names) as the names of the layers of
-    `model` they match, in order, without repeats: what a config can hold."""
-    names = [e for e in entries if isinstance(e, str)]
-    classes = tuple(e for e in entries if isinstance(e, type))
-    if classes:
-        names += [layer.name for layer, _ in _tree(model) if isinstance(layer, classes)]
-    return list(dict.fromkeys(names))
+def precision_record(model):
+    """Each layer's precision as keras_mp set it, for the compile config.
+
+    One entry per layer of `layers_in_order(model)`: its class name, policy,
+    rule, boundary casts, and whether the latest `apply_amp`'s `allow` or
+    `deny` matched it. `restore_precision` gives a loaded model these back
+    by position (layer names are no key: those Keras's counters made differ
+    in the process that loads the model), whatever set them: the level,
+    `allow`/`deny`, or a `to_float` after `compile`.
+    """
+    allow, deny = layer_lists(model)
+    record = []
+    for layer in layers_in_order(model):
+        entry = {"class": type(layer).__name__, "policy": layer.dtype_policy.name}
+        rule = getattr(layer, _RULE_ATTRIBUTE, None)
+        if rule is not None:
+            entry["rule"] = rule
+        if getattr(layer, _CASTS_ATTRIBUTE, False):
+            entry["casts"] = [
+                getattr(layer, _ENTRY_DTYPE_ATTRIBUTE),
+                getattr(layer, _OUTPUT_DTYPE_ATTRIBUTE),
+            ]
+        if _matches(layer, allow):
+            entry["allow"] = True
+        if _matches(layer, deny):
+            entry["deny"] = True
+        record.append(entry)
+    return record
+
+
+def restore_precision(model, record):
+    """Gives `model` the precision `precision_record` saved, layer by layer.
+
+    Returns False, changing nothing, when the record is of a model with
+    other layers (its classes in order differ).
+    """
+    layers = layers_in_order(model)
+    if [e.get("class") for e in record] != [type(layer).__name__ for layer in layers]:
+        return False
+    decisions = []
+    for layer, entry in zip(layers, record):
+        policy = entry["policy"]
+        if _kept_rule(layer) is not None or policy == layer.dtype_policy.name:
+            policy = None
+        rule = entry.get("rule", getattr(layer, _RULE_ATTRIBUTE, "Keras default"))
+        decisions.append((layer, (policy, rule)))
+    _set_policies(model, decisions)
+    for layer, entry in zip(layers, record):
+        _set_boundary_casts(layer, *(entry.get("casts") or (None, None)))
+    _mark_amp_model(model)
+    lists = tuple(
+        tuple(layer for layer, entry in zip(layers, record) if entry.get(key))
+        for key in ("allow", "deny")
+    )
+    object.__setattr__(model, _LAYER_LISTS_ATTRIBUTE, lists)
+    return True
 
 
 def _set_boundaries(model, outputs=None, entry_dtype=None):
@@ -780,10 +833,67 @@ def _set_policy(layer, policy_name, rule):
     object.__setattr__(layer, _RULE_ATTRIBUTE, rule)
     if policy_name is None:
         return False
+    _keep_config_loadable(layer)
     policy = keras.dtype_policies.get(policy_name)
     previous = layer.dtype_policy.variable_dtype
     layer.dtype_policy = policy
     return layer.built and _convert_own_variables(layer, previous, policy.variable_dtype)
+
+
+def _keep_config_loadable(layer):
+    """Makes a block of the user's that computes in half rebuild from its config.
+
+    A layer written as Keras's guides write one makes its sublayers in
+    `__init__` without passing its dtype on, and its config does not hold
+    them: rebuilt from its config (`load_model`, `clone_model`,
+    `serving_copy`), the block gets its saved policy and its sublayers
+    Keras's default. Its own arithmetic then mixes half and float32, which
+    TensorFlow refuses (Keras's own mixed policies fail the same way in a
+    process whose global policy is float32). Such a layer's config gives no
+    dtype instead, so that the block comes back in the default policy with
+    its sublayers; `compile_from_config` then restores the precision that
+    keras_mp set (`restore_precision`). A layer of Keras or KerasHub passes
+    its dtype on, and a layer whose config holds its sublayers' configs
+    rebuilds them with their own: theirs are left as they are.
+    """
+    if (
+        getattr(layer, _LOADABLE_CONFIG_ATTRIBUTE, False)
+        or _is_graph(layer)
+        or type(layer).__module__.split(".", 1)[0] in _MIXED_PRECISION_AWARE_PACKAGES
+    ):
+        return
+    get_config = layer.get_config
+
+    @functools.wraps(get_config)
+    def get_config_without_half_dtype():
+        config = get_config()
+        if (
+            isinstance(config, dict)
+            and config.get("dtype") is not None
+            and layer.dtype_policy.name != keras.config.dtype_policy().name
+            and any(True for _ in layer._flatten_layers(include_self=False, recursive=False))
+            and not _holds_layer_configs([v for k, v in config.items() if k != "dtype"])
+        ):
+            config = {**config, "dtype": None}
+        return config
+
+    object.__setattr__(layer, "get_config", get_config_without_half_dtype)
+    object.__setattr__(layer, _LOADABLE_CONFIG_ATTRIBUTE, True)
+
+
+def _holds_layer_configs(value):
+    """Whether a config value holds a layer, or a serialized one (a config with
+    a dtype)."""
+    if isinstance(value, keras.layers.Layer):
+        return True
+    if isinstance(value, dict):
+        config = value.get("config")
+        if isinstance(config, dict) and "dtype" in config:
+            return True
+        return any(_holds_layer_configs(v) for v in value.values())
+    if isinstance(value, (list, tuple)):
+        return any(_holds_layer_configs(v) for v in value)
+    return False
 
 
 def _set_policies(model, decisions):
