@@ -95,6 +95,54 @@ def test_never_wrapped_twice_under_a_global_mixed_policy():
     assert not isinstance(model.optimizer.inner_optimizer, keras.optimizers.LossScaleOptimizer)
 
 
+class SubclassedClassifier(keras.Model):
+    def __init__(self, **kwargs):
+        super().__init__(**kwargs)
+        self.hidden = keras.layers.Dense(16, activation="relu")
+        self.out = keras.layers.Dense(3, activation="softmax")
+
+    def call(self, x):
+        return self.out(self.hidden(x))
+
+
+def _of_kind(kind):
+    return _model() if kind == "functional" else SubclassedClassifier()
+
+
+@pytest.mark.parametrize("kind", ["functional", "subclassed"])
+def test_a_plain_compile_scales_the_loss_of_float16_layers_as_keras_does(kind):
+    """Keras wraps the optimizer in a LossScaleOptimizer when the model's
+    policy is mixed_float16 (`auto_scale_loss`). After `apply_amp(model,
+    "O2")` the layers compute in float16 whatever the model's own policy (a
+    subclassed model's is float32, for float32 inputs and outputs, so Keras
+    did not wrap: its float16 gradients went unscaled): a `compile` without
+    `amp_level` wraps the optimizer as under Keras's global mixed_float16,
+    for every kind of model; not in bfloat16, nor with `auto_scale_loss=False`."""
+    keras.config.set_dtype_policy("mixed_float16")
+    reference = _of_kind(kind)
+    reference.compile(optimizer="adam", loss="sparse_categorical_crossentropy")
+    assert isinstance(reference.optimizer, keras.optimizers.LossScaleOptimizer)
+    keras.config.set_dtype_policy("float32")
+
+    model = keras_mp.apply_amp(_of_kind(kind), "O2")
+    model.compile(optimizer="adam", loss="sparse_categorical_crossentropy")
+    assert isinstance(model.optimizer, keras_mp.LossScaleOptimizer)
+    assert model.optimizer.dynamic and isinstance(
+        model.optimizer.inner_optimizer, keras.optimizers.Adam
+    )
+    x, y = _data()
+    history = model.fit(x, y, epochs=1, batch_size=8, verbose=0)
+    assert np.isfinite(history.history["loss"]).all()
+    assert 0 < history.history["loss_scale"][0] <= 2.0**15  # the dynamic scale
+
+    unscaled = keras_mp.apply_amp(_of_kind(kind), "O2")
+    unscaled.compile(optimizer="adam", loss="mse", auto_scale_loss=False)
+    assert not isinstance(unscaled.optimizer, keras.optimizers.LossScaleOptimizer)
+    bfloat16 = keras_mp.apply_amp(_of_kind(kind), "O2", "bfloat16")
+    bfloat16.compile(optimizer="adam", loss="mse")
+    assert not isinstance(bfloat16.optimizer, keras.optimizers.LossScaleOptimizer)
+
+
 def test_function_form():
     model = _model()
     keras_mp.compile(model, "adam", "mse", amp_level="O1", amp_dtype="bfloat16")

@@ -28,6 +28,7 @@ from keras_mp._src.policies import apply_amp
 from keras_mp._src.policies import check_layer_list
 from keras_mp._src.policies import is_amp_model
 from keras_mp._src.policies import layer_lists
+from keras_mp._src.policies import layers_in_order
 from keras_mp._src.policies import precision_record
 from keras_mp._src.policies import restore_precision
 from keras_mp._src.train_step import guard_train_step
@@ -293,6 +294,8 @@ def _compile_with_amp(
                 f"amp_allow={amp_allow!r}, amp_deny={amp_deny!r}"
             )
         _restore_saved(self)
+        if is_amp_model(self):
+            args, kwargs = (), _scaled_as_keras_would(self, args, kwargs)
         result = _keras_compile(self, *args, **kwargs)
         _check_distribution(self)
         # keras_mp's optimizer reports its loss scale in `fit`'s logs; a
@@ -336,6 +339,34 @@ def _compile_with_amp(
     )
     guard_train_step(self)
     return result
+
+
+def _scaled_as_keras_would(model, args, kwargs):
+    """Keras's `auto_scale_loss` for a model whose precision keras_mp set.
+
+    Keras wraps the optimizer in a LossScaleOptimizer when the model's own
+    policy is mixed_float16. Under `apply_amp` (or `to_float`) layers compute
+    in float16 with float32 variables whatever the model's own policy: a
+    subclassed model's is float32 (its inputs and outputs), so Keras would
+    not wrap, and its float16 gradients would go unscaled (a functional
+    model's Keras would wrap in its own). A plain `compile` of such a model
+    wraps the optimizer in keras_mp's, as under Keras's global
+    mixed_float16; not with `auto_scale_loss=False`, and not at O3 or in
+    bfloat16, where Keras does not either. Returns `compile`'s keyword
+    arguments.
+    """
+    arguments = _keras_compile_signature.bind(model, *args, **kwargs).arguments
+    arguments.pop("self")
+    if not arguments.get("auto_scale_loss", True) or not any(
+        layer.dtype_policy.name == "mixed_float16" for layer in layers_in_order(model)
+    ):
+        return arguments
+    optimizer = keras.optimizers.get(arguments.get("optimizer", "rmsprop"))
+    if not isinstance(optimizer, keras.optimizers.LossScaleOptimizer):
+        optimizer = _wrap_optimizer(optimizer, "dynamic", half_variables=False, master_weights=None)
+        clip_in_float32(optimizer.inner_optimizer)
+    arguments["optimizer"] = optimizer
+    return arguments
 
 
 def _check_distribution(model):
