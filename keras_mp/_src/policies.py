@@ -390,8 +390,19 @@ def _decide(
 
 # Library layers whose own `call` masks with `-1e9`, which is `-inf` in
 # float16 (`0 * -inf` is NaN): NaN under Keras's `mixed_float16`. Their
-# projections still compute in half; their own arithmetic in float32.
-_MASKS_BEYOND_FLOAT16 = frozenset({"T5MultiHeadAttention"})
+# sublayers (projections, attention, MLPs) still compute in half; their own
+# arithmetic in float32. T5's attention builds its mask itself; T5Gemma's
+# and T5Gemma2's encoder and decoder layers build their attention masks
+# (`(1 - mask) * -1e9` in the hidden states' dtype) and pass them on.
+_MASKS_BEYOND_FLOAT16 = frozenset(
+    {
+        "T5MultiHeadAttention",
+        "T5GemmaEncoderLayer",
+        "T5GemmaDecoderLayer",
+        "T5Gemma2EncoderLayer",
+        "T5Gemma2DecoderLayer",
+    }
+)
 
 
 def _routes_experts(layer):

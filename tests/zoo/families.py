@@ -126,6 +126,35 @@ def t5():
     return model, x, rng.integers(0, VOCAB, (BATCH, SEQ)), _logits_loss()
 
 
+def t5gemma():
+    """KerasHub's T5Gemma encoder-decoder (Gemma layers, full and sliding
+    attention, cross-attention): its encoder and decoder layers build their
+    attention masks with `-1e9` in their compute dtype. Not in the level
+    matrix (CI time): `test_zoo.test_keras_hub_t5gemma_...` trains it at O2."""
+    rng = _rng()
+    common = dict(num_layers=2, num_attention_heads=2, num_key_value_heads=1, head_dim=8)
+    common = dict(hidden_dim=16, intermediate_dim=32, **common)
+    layer_types = ["full_attention", "sliding_attention"]
+    backbone = keras_hub.models.T5GemmaBackbone(
+        vocabulary_size=VOCAB,
+        **{f"encoder_{k}": v for k, v in common.items()},
+        encoder_layer_types=layer_types,
+        **{f"decoder_{k}": v for k, v in common.items()},
+        decoder_layer_types=layer_types,
+        sliding_window=4,
+        cross_attention_hidden_size=16,
+    )
+    model = keras_hub.models.T5GemmaSeq2SeqLM(backbone, preprocessor=None)
+    ids, padding = _tokens(rng)
+    x = {
+        "encoder_token_ids": ids,
+        "encoder_padding_mask": padding,
+        "decoder_token_ids": ids,
+        "decoder_padding_mask": padding,
+    }
+    return model, x, rng.integers(0, VOCAB, (BATCH, SEQ)), _logits_loss()
+
+
 def resnet():
     """KerasHub's ResNet image classifier (BatchNorm, residual adds)."""
     rng = _rng()

@@ -332,6 +332,37 @@ def test_keras_hub_t5_is_finite_where_keras_mixed_policy_is_not():
     assert "masks with -1e9" in _rule(model, "T5MultiHeadAttention")
 
 
+def test_keras_hub_t5gemma_trains_in_float16_where_keras_mixed_policy_gives_nan():
+    """T5Gemma's encoder and decoder layers build their attention masks as
+    `(1 - mask) * -1e9` in their compute dtype: `0 * -inf` is NaN in float16,
+    under Keras's own `mixed_float16` (PyTorch's kernels keep it finite). At
+    O2 those layers run their own arithmetic in float32 (their attention,
+    MLP and norms as the level says) and the model trains."""
+    keras.utils.set_random_seed(0)
+    model, x, y, loss = families.t5gemma()
+    reference = _np(model(x)) if BACKEND != "torch" else None
+    if BACKEND != "torch":
+        keras.config.set_dtype_policy("mixed_float16")
+        try:
+            keras.utils.set_random_seed(0)
+            keras_model, _, _, _ = families.t5gemma()
+            assert not np.isfinite(_np(keras_model(x))).all()
+        finally:
+            keras.config.set_dtype_policy("float32")
+
+    model.compile(optimizer=keras.optimizers.Adam(1e-3), loss=loss, amp_level="O2")
+    for layer_class in ("T5GemmaEncoderLayer", "T5GemmaDecoderLayer"):
+        assert "masks with -1e9" in _rule(model, layer_class)
+    out = _outputs(model, x)[0]
+    assert np.isfinite(_np(out)).all()
+    if reference is not None:
+        bound = TOLERANCE[("O2", "float16")] * (1.0 + np.max(np.abs(reference)))
+        assert np.max(np.abs(_np(out) - reference)) <= bound
+    history = model.fit(x, y, batch_size=4, epochs=1, verbose=0)
+    assert np.isfinite(history.history["loss"]).all()
+    assert history.history["skipped_steps"][-1] < 2
+
+
 @pytest.mark.parametrize("level", ["O2", "O3"])
 def test_keras_hub_llama_attention_in_float16(level):
     """KerasHub's own attention layers (here `LlamaAttention`) call
