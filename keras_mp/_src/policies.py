@@ -390,17 +390,23 @@ def _decide(
 
 # Library layers whose own `call` masks with `-1e9`, which is `-inf` in
 # float16 (`0 * -inf` is NaN): NaN under Keras's `mixed_float16`. Their
-# sublayers (projections, attention, MLPs) still compute in half; their own
-# arithmetic in float32. T5's attention builds its mask itself; T5Gemma's
-# and T5Gemma2's encoder and decoder layers build their attention masks
-# (`(1 - mask) * -1e9` in the hidden states' dtype) and pass them on.
+# sublayers (projections, MLPs) still compute in half; their own arithmetic
+# in float32. T5's attention builds its mask itself; T5Gemma's and
+# T5Gemma2's encoder and decoder layers build their attention masks
+# (`(1 - mask) * -1e9` in the hidden states' dtype), which their attention
+# layers add to the logits: in float16 a query whose keys are all masked (a
+# padded query past the sliding window) has logits of -inf only, and its
+# softmax is NaN, which the values' matmul spreads to every position.
 _MASKS_BEYOND_FLOAT16 = frozenset(
     {
         "T5MultiHeadAttention",
         "T5GemmaEncoderLayer",
         "T5GemmaDecoderLayer",
+        "T5GemmaAttention",
         "T5Gemma2EncoderLayer",
         "T5Gemma2DecoderLayer",
+        "T5Gemma2Attention",
+        "T5Gemma2MergedAttention",
     }
 )
 

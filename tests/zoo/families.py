@@ -126,25 +126,22 @@ def t5():
     return model, x, rng.integers(0, VOCAB, (BATCH, SEQ)), _logits_loss()
 
 
-def t5gemma():
-    """KerasHub's T5Gemma encoder-decoder (Gemma layers, full and sliding
-    attention, cross-attention): its encoder and decoder layers build their
-    attention masks with `-1e9` in their compute dtype. Not in the level
-    matrix (CI time): `test_zoo.test_keras_hub_t5gemma_...` trains it at O2."""
+def _t5gemma(backbone_class, task_class, **kwargs):
     rng = _rng()
     common = dict(num_layers=2, num_attention_heads=2, num_key_value_heads=1, head_dim=8)
     common = dict(hidden_dim=16, intermediate_dim=32, **common)
     layer_types = ["full_attention", "sliding_attention"]
-    backbone = keras_hub.models.T5GemmaBackbone(
+    backbone = backbone_class(
         vocabulary_size=VOCAB,
         **{f"encoder_{k}": v for k, v in common.items()},
         encoder_layer_types=layer_types,
         **{f"decoder_{k}": v for k, v in common.items()},
         decoder_layer_types=layer_types,
-        sliding_window=4,
+        sliding_window=2,
         cross_attention_hidden_size=16,
+        **kwargs,
     )
-    model = keras_hub.models.T5GemmaSeq2SeqLM(backbone, preprocessor=None)
+    model = task_class(backbone, preprocessor=None)
     ids, padding = _tokens(rng)
     x = {
         "encoder_token_ids": ids,
@@ -153,6 +150,26 @@ def t5gemma():
         "decoder_padding_mask": padding,
     }
     return model, x, rng.integers(0, VOCAB, (BATCH, SEQ)), _logits_loss()
+
+
+def t5gemma():
+    """KerasHub's T5Gemma encoder-decoder (Gemma layers, full and sliding
+    attention, cross-attention): its encoder and decoder layers build their
+    attention masks with `-1e9` in their compute dtype. The sliding window
+    (2) is shorter than the padding (3): a padded query's keys are all
+    masked. Outside FAMILIES' level matrix: `test_zoo`'s T5Gemma test
+    trains it at O1, O2 and O3 in bfloat16."""
+    return _t5gemma(keras_hub.models.T5GemmaBackbone, keras_hub.models.T5GemmaSeq2SeqLM)
+
+
+def t5gemma2():
+    """KerasHub's T5Gemma2 (Gemma 3 layers, merged self- and cross-attention
+    in the decoder, a bidirectional sliding window in the encoder), text only."""
+    return _t5gemma(
+        keras_hub.models.T5Gemma2Backbone,
+        keras_hub.models.T5Gemma2Seq2SeqLM,
+        eoi_token_index=VOCAB - 1,
+    )
 
 
 def resnet():
