@@ -352,10 +352,11 @@ def _decide(
     if (
         half == "float16"
         and level.half_compute in ("allow", "deny")
-        and type(layer).__name__ in _MASKS_BEYOND_FLOAT16
+        and type(layer).__name__ in _BEYOND_FLOAT16
         and not user_allowed
     ):
-        return "float32", f"{level.name}: masks with -1e9, own arithmetic in float32"
+        reason = _BEYOND_FLOAT16[type(layer).__name__]
+        return "float32", f"{level.name}: {reason}, own arithmetic in float32"
     if _is_attention(layer) and backends.current.half_attention_needs_float32(half):
         _warn_jax_cpu_attention_once()
         return "float32", f"{level.name}: attention on JAX's CPU, float32 (no float16 dot there)"
@@ -388,27 +389,30 @@ def _decide(
     return half, f"{level.name}: half everywhere"
 
 
-# Library layers whose own `call` masks with `-1e9`, which is `-inf` in
-# float16 (`0 * -inf` is NaN): NaN under Keras's `mixed_float16`. Their
-# sublayers (projections, MLPs) still compute in half; their own arithmetic
-# in float32. T5's attention builds its mask itself; T5Gemma's and
-# T5Gemma2's encoder and decoder layers build their attention masks
-# (`(1 - mask) * -1e9` in the hidden states' dtype), which their attention
-# layers add to the logits: in float16 a query whose keys are all masked (a
-# padded query past the sliding window) has logits of -inf only, and its
-# softmax is NaN, which the values' matmul spreads to every position.
-_MASKS_BEYOND_FLOAT16 = frozenset(
-    {
-        "T5MultiHeadAttention",
-        "T5GemmaEncoderLayer",
-        "T5GemmaDecoderLayer",
-        "T5GemmaAttention",
-        "T5Gemma2EncoderLayer",
-        "T5Gemma2DecoderLayer",
-        "T5Gemma2Attention",
-        "T5Gemma2MergedAttention",
-    }
-)
+# Library layers whose own `call` computes what float16 cannot hold (NaN
+# under Keras's `mixed_float16`), and why. Their sublayers (projections,
+# MLPs) still compute in half; their own arithmetic in float32.
+_MASKS = "masks with -1e9"
+_BEYOND_FLOAT16 = {
+    # `-1e9` is `-inf` in float16, and `0 * -inf` is NaN. T5's attention
+    # builds its mask itself; T5Gemma's and T5Gemma2's encoder and decoder
+    # layers build theirs (`(1 - mask) * -1e9` in the hidden states' dtype),
+    # which their attention layers add to the logits: a padded query past the
+    # sliding window then has only `-inf` logits, and its softmax is NaN,
+    # which the values' matmul spreads to every position.
+    "T5MultiHeadAttention": _MASKS,
+    "T5GemmaEncoderLayer": _MASKS,
+    "T5GemmaDecoderLayer": _MASKS,
+    "T5GemmaAttention": _MASKS,
+    "T5Gemma2EncoderLayer": _MASKS,
+    "T5Gemma2DecoderLayer": _MASKS,
+    "T5Gemma2Attention": _MASKS,
+    "T5Gemma2MergedAttention": _MASKS,
+    # RWKV-7's time mix normalizes its keys with `rsqrt(sum(k**2) + 1e-12)`:
+    # 1e-12 is 0 in float16, and a padded token's keys (zeroed) give
+    # `0 * inf`.
+    "RWKV7TimeMix": "normalizes with eps 1e-12 (0 in float16)",
+}
 
 
 def _routes_experts(layer):

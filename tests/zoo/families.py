@@ -172,6 +172,16 @@ def t5gemma2():
     )
 
 
+def rwkv7():
+    """KerasHub's RWKV-7 causal LM (time mix with its recurrent state,
+    channel mix); the padded tail's tokens are zeroed in the time mix."""
+    rng = _rng()
+    backbone = keras_hub.models.RWKV7Backbone(
+        hidden_size=16, head_size=8, num_layers=2, vocabulary_size=VOCAB, intermediate_dim=32
+    )
+    return _causal_lm(rng, keras_hub.models.RWKV7CausalLM(backbone, preprocessor=None))
+
+
 def resnet():
     """KerasHub's ResNet image classifier (BatchNorm, residual adds)."""
     rng = _rng()

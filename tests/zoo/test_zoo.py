@@ -332,9 +332,19 @@ def test_keras_hub_t5_is_finite_where_keras_mixed_policy_is_not():
     assert "masks with -1e9" in _rule(model, "T5MultiHeadAttention")
 
 
-_T5GEMMA_CELLS = [
+# KerasHub families whose own arithmetic (not their projections) computes
+# what float16 cannot hold: NaN under Keras's own `mixed_float16`. The
+# layers that run their own arithmetic in float32 at O1/O2 in float16.
+BEYOND_FLOAT16 = {
+    # `(1 - mask) * -1e9` masks, added to the attention logits.
+    "t5gemma": {"T5GemmaEncoderLayer", "T5GemmaDecoderLayer", "T5GemmaAttention"},
+    "t5gemma2": {"T5Gemma2EncoderLayer", "T5Gemma2DecoderLayer", "T5Gemma2Attention"},
+    # Keys normalized with an epsilon of 1e-12, 0 in float16.
+    "rwkv7": {"RWKV7TimeMix"},
+}
+_BEYOND_FLOAT16_CELLS = [
     pytest.param(family, level, half, id=f"{family}-{level}-{half}")
-    for family in ("t5gemma", "t5gemma2")
+    for family in BEYOND_FLOAT16
     for level, half in (("O1", "float16"), ("O2", "float16"), ("O3", "bfloat16"))
     # JAX compiles each cell's `fit` (10-20 s on a CPU): O2 float16 there.
     if not JAX or (level, half) == ("O2", "float16")
@@ -342,17 +352,19 @@ _T5GEMMA_CELLS = [
 _KERAS_MIXED_FLOAT16_IS_NAN = {}
 
 
-@pytest.mark.parametrize("family, level, half", _T5GEMMA_CELLS)
-def test_keras_hub_t5gemma_trains_where_keras_mixed_policy_gives_nan(family, level, half):
+@pytest.mark.parametrize("family, level, half", _BEYOND_FLOAT16_CELLS)
+def test_keras_hub_families_train_where_keras_mixed_policy_gives_nan(family, level, half):
     """T5Gemma's and T5Gemma2's encoder and decoder layers build their
     attention masks as `(1 - mask) * -1e9` in their compute dtype, which
     their attention adds to the logits: in float16, `0 * -inf` is NaN, and a
     padded query past the sliding window has only `-inf` logits, whose
-    softmax is NaN; under Keras's own `mixed_float16` the outputs are NaN.
-    At O1/O2 in float16 those layers run their own arithmetic in float32
-    (their projections, MLPs and norms as the level says): the outputs are
-    float32's within the level's tolerance, and the model trains. (O3 in
-    float16 is half everywhere, NaN as under Keras's own float16 policy.)"""
+    softmax is NaN. RWKV-7's time mix normalizes its keys with an epsilon of
+    1e-12, 0 in float16: a padded token's zeroed keys give `0 * inf`. Under
+    Keras's own `mixed_float16` their outputs are NaN. At O1/O2 in float16
+    those layers run their own arithmetic in float32 (their projections,
+    MLPs and norms as the level says): the outputs are float32's within the
+    level's tolerance, and the model trains. (O3 in float16 is half
+    everywhere, NaN as under Keras's own float16 policy.)"""
     build = getattr(families, family)
     keras.utils.set_random_seed(0)
     model, x, y, loss = build()
@@ -376,11 +388,9 @@ def test_keras_hub_t5gemma_trains_where_keras_mixed_policy_gives_nan(family, lev
     )
     if half == "float16":
         rows = keras_mp.precision_summary(model).rows
-        masked = {r["class"] for r in rows if "masks with -1e9" in r["rule"]}
+        in_float32 = {r["class"] for r in rows if "own arithmetic in float32" in r["rule"]}
         # O1: the layers are float32 anyway (not on the allow-list).
-        assert level == "O1" or {"EncoderLayer", "DecoderLayer"} <= {
-            c.removeprefix("T5Gemma2").removeprefix("T5Gemma") for c in masked
-        }
+        assert level == "O1" or BEYOND_FLOAT16[family] <= in_float32
     out = _outputs(model, x)[0]
     bound = TOLERANCE[(level, half)] * (1.0 + np.max(np.abs(reference)))
     assert np.max(np.abs(_np(out) - reference)) <= bound
