@@ -412,6 +412,11 @@ _BEYOND_FLOAT16 = {
     # 1e-12 is 0 in float16, and a padded token's keys (zeroed) give
     # `0 * inf`.
     "RWKV7TimeMix": "normalizes with eps 1e-12 (0 in float16)",
+    # Qwen3.5's gated delta net L2-normalizes its queries and keys,
+    # `x * rsqrt(sum(x**2) + 1e-6)`, before its float32 recurrence: for a
+    # short key the gradient of rsqrt (`-rsqrt(s)**3 / 2`, up to 5e8) is inf
+    # in float16, and every step overflows whatever the loss scale.
+    "Qwen3_5GatedDeltaNet": "L2-normalizes in its own code (rsqrt's gradient overflows float16)",
 }
 
 

@@ -172,6 +172,23 @@ def t5gemma2():
     )
 
 
+def qwen3_5():
+    """KerasHub's Qwen3.5 causal LM: gated delta net (linear attention with a
+    causal convolution and a recurrence) in three layers of four, full
+    attention in the fourth."""
+    rng = _rng()
+    backbone = keras_hub.models.Qwen3_5Backbone(
+        vocabulary_size=VOCAB,
+        num_layers=4,
+        num_query_heads=2,
+        num_key_value_heads=1,
+        head_dim=8,
+        hidden_dim=16,
+        intermediate_dim=32,
+    )
+    return _causal_lm(rng, keras_hub.models.Qwen3_5CausalLM(backbone, preprocessor=None))
+
+
 def rwkv7():
     """KerasHub's RWKV-7 causal LM (time mix with its recurrent state,
     channel mix); the padded tail's tokens are zeroed in the time mix."""

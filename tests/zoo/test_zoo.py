@@ -404,6 +404,47 @@ def test_keras_hub_families_train_where_keras_mixed_policy_gives_nan(family, lev
     assert any(not np.array_equal(a, b) for a, b in zip(after, before))
 
 
+def test_keras_hub_qwen3_5_trains_in_float16_where_keras_mixed_policy_does_not():
+    """Qwen3.5's gated delta net L2-normalizes its queries and keys in its own
+    code, `x * rsqrt(sum(x**2) + 1e-6)`: for a short key the gradient of
+    rsqrt is inf in float16 whatever the loss scale. With this tiny model's
+    PyTorch weights, every step of Keras's own `mixed_float16` overflows
+    (its scale falls from 2**15 to 2**5) and the model does not train. At O2
+    the layer's own arithmetic is float32 (its projections half): no step
+    is skipped, and it trains."""
+    keras.utils.set_random_seed(0)
+    model, x, y, loss = families.qwen3_5()
+    if BACKEND == "torch":
+        keras.config.set_dtype_policy("mixed_float16")
+        try:
+            keras.utils.set_random_seed(0)
+            keras_model, _, _, _ = families.qwen3_5()
+        finally:
+            keras.config.set_dtype_policy("float32")
+        keras_model.compile(optimizer=keras.optimizers.Adam(1e-3), loss=loss)
+        before = [_np(v) for v in keras_model.trainable_variables]
+        keras_model.fit(x, y, batch_size=4, epochs=2, verbose=0)
+        assert all(
+            np.array_equal(_np(v), b) for v, b in zip(keras_model.trainable_variables, before)
+        )
+
+    # Its chunked recurrence costs 50 s to trace and compile on a CPU: the
+    # step runs eagerly on TensorFlow; JAX (whose eager steps compile op by
+    # op) checks the rule only.
+    model.compile(
+        optimizer=keras.optimizers.Adam(1e-3), loss=loss, amp_level="O2", run_eagerly=True
+    )
+    assert "rsqrt's gradient overflows float16" in _rule(model, "Qwen3_5GatedDeltaNet")
+    if JAX:
+        return
+    before = [_np(v) for v in model.trainable_variables]
+    history = model.fit(x, y, batch_size=4, epochs=2, verbose=0)
+    assert history.history["skipped_steps"][-1] == 0
+    assert np.isfinite(history.history["loss"]).all()
+    after = [_np(v) for v in model.trainable_variables]
+    assert all(not np.array_equal(a, b) for a, b in zip(after, before))
+
+
 @pytest.mark.parametrize("level", ["O2", "O3"])
 def test_keras_hub_llama_attention_in_float16(level):
     """KerasHub's own attention layers (here `LlamaAttention`) call
