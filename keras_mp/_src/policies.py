@@ -83,17 +83,24 @@ _FUSED_ATTENTION = tuple(
 _MIXED_PRECISION_AWARE_PACKAGES = ("keras", "keras_hub", "keras_nlp", "keras_cv", "keras_rs")
 
 
+def _from_aware_package(layer):
+    """Whether `layer`'s class is Keras's, KerasHub's, ... (written for
+    Keras's mixed policies)."""
+    return type(layer).__module__.split(".", 1)[0] in _MIXED_PRECISION_AWARE_PACKAGES
+
+
 def _is_attention(layer):
     """Keras's attention layers, and those of KerasHub (`LlamaAttention`,
     ...), whose own `call` computes the attention (most of them through
     `ops.dot_product_attention`)."""
     return isinstance(layer, _FUSED_ATTENTION) or (
-        type(layer).__name__.endswith("Attention")
-        and type(layer).__module__.split(".", 1)[0] in _MIXED_PRECISION_AWARE_PACKAGES
+        type(layer).__name__.endswith("Attention") and _from_aware_package(layer)
     )
 
 
 _RULE_ATTRIBUTE = "_keras_mp_rule"
+# The rule of a layer keras_mp never set.
+_KERAS_DEFAULT_RULE = "Keras default"
 _CASTS_ATTRIBUTE = "_keras_mp_boundary_casts"
 _ENTRY_DTYPE_ATTRIBUTE = "_keras_mp_entry_dtype"
 _OUTPUT_DTYPE_ATTRIBUTE = "_keras_mp_output_dtype"
@@ -461,10 +468,7 @@ def _runs_unknown_arithmetic(layer):
     arithmetic may hold constants outside float16's range: the tutorial's
     attention mask `logits += mask * -1e9` is `0 * -inf = nan` in float16.
     """
-    if _is_graph(layer):
-        return False
-    package = type(layer).__module__.split(".", 1)[0]
-    if package in _MIXED_PRECISION_AWARE_PACKAGES:
+    if _is_graph(layer) or _from_aware_package(layer):
         return False
     return any(True for _ in layer._flatten_layers(include_self=False, recursive=False))
 
@@ -692,7 +696,7 @@ def restore_precision(model, record):
         policy = entry["policy"]
         if _kept_rule(layer) is not None or policy == layer.dtype_policy.name:
             policy = None
-        rule = entry.get("rule", getattr(layer, _RULE_ATTRIBUTE, "Keras default"))
+        rule = entry.get("rule", getattr(layer, _RULE_ATTRIBUTE, _KERAS_DEFAULT_RULE))
         decisions.append((layer, (policy, rule)))
     _set_policies(model, decisions)
     for layer, entry in zip(layers, record):
@@ -820,7 +824,7 @@ def precision_summary(model, print_fn=None):
                 "compute_dtype": policy.compute_dtype,
                 "variable_dtype": policy.variable_dtype,
                 "policy": policy.name,
-                "rule": getattr(layer, _RULE_ATTRIBUTE, "Keras default"),
+                "rule": getattr(layer, _RULE_ATTRIBUTE, _KERAS_DEFAULT_RULE),
             }
         )
     columns = ("layer", "class", "compute_dtype", "variable_dtype", "rule")
@@ -885,7 +889,7 @@ def _keep_config_loadable(layer):
     if (
         getattr(layer, _LOADABLE_CONFIG_ATTRIBUTE, False)
         or _is_graph(layer)
-        or type(layer).__module__.split(".", 1)[0] in _MIXED_PRECISION_AWARE_PACKAGES
+        or _from_aware_package(layer)
     ):
         return
     get_config = layer.get_config

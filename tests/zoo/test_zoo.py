@@ -96,9 +96,10 @@ def _has_batchnorm(model):
 
 
 def _build(family):
+    """A family of `families` (of its level matrix or not), seed 0, float32."""
     keras.config.set_dtype_policy("float32")
     keras.utils.set_random_seed(0)
-    return families.FAMILIES[family]()
+    return getattr(families, family)()
 
 
 def _cases():
@@ -293,15 +294,21 @@ def test_keras_hub_model_with_its_own_dtype_trains_at_a_level(form):
     assert any(not np.array_equal(a, b) for a, b in zip(after, before))
 
 
-def _keras_mixed_float16_outputs(family, x):
-    """The family's outputs under Keras's own `mixed_float16` policy."""
+def _built_under_keras_mixed_float16(family):
+    """The family's model (the same weights as `_build`'s) under Keras's own
+    `mixed_float16` policy."""
     keras.config.set_dtype_policy("mixed_float16")
     try:
         keras.utils.set_random_seed(0)
-        keras_model, _, _, _ = families.FAMILIES[family]()
-        return _np(keras_model(x))
+        keras_model, _, _, _ = getattr(families, family)()
+        return keras_model
     finally:
         keras.config.set_dtype_policy("float32")
+
+
+def _keras_mixed_float16_outputs(family, x):
+    """The family's outputs under Keras's own `mixed_float16` policy."""
+    return _np(_built_under_keras_mixed_float16(family)(x))
 
 
 def _rule(model, layer_class):
@@ -365,18 +372,11 @@ def test_keras_hub_families_train_where_keras_mixed_policy_gives_nan(family, lev
     MLPs and norms as the level says): the outputs are float32's within the
     level's tolerance, and the model trains. (O3 in float16 is half
     everywhere, NaN as under Keras's own float16 policy.)"""
-    build = getattr(families, family)
-    keras.utils.set_random_seed(0)
-    model, x, y, loss = build()
+    model, x, y, loss = _build(family)
     reference = _np(model(x))
     if family not in _KERAS_MIXED_FLOAT16_IS_NAN:
-        keras.config.set_dtype_policy("mixed_float16")
-        try:
-            keras.utils.set_random_seed(0)
-            keras_model, _, _, _ = build()
-            _KERAS_MIXED_FLOAT16_IS_NAN[family] = not np.isfinite(_np(keras_model(x))).all()
-        finally:
-            keras.config.set_dtype_policy("float32")
+        outputs = _keras_mixed_float16_outputs(family, x)
+        _KERAS_MIXED_FLOAT16_IS_NAN[family] = not np.isfinite(outputs).all()
     assert _KERAS_MIXED_FLOAT16_IS_NAN[family]
 
     model.compile(
@@ -412,15 +412,9 @@ def test_keras_hub_qwen3_5_trains_in_float16_where_keras_mixed_policy_does_not()
     (its scale falls from 2**15 to 2**5) and the model does not train. At O2
     the layer's own arithmetic is float32 (its projections half): no step
     is skipped, and it trains."""
-    keras.utils.set_random_seed(0)
-    model, x, y, loss = families.qwen3_5()
+    model, x, y, loss = _build("qwen3_5")
     if BACKEND == "torch":
-        keras.config.set_dtype_policy("mixed_float16")
-        try:
-            keras.utils.set_random_seed(0)
-            keras_model, _, _, _ = families.qwen3_5()
-        finally:
-            keras.config.set_dtype_policy("float32")
+        keras_model = _built_under_keras_mixed_float16("qwen3_5")
         keras_model.compile(optimizer=keras.optimizers.Adam(1e-3), loss=loss)
         before = [_np(v) for v in keras_model.trainable_variables]
         keras_model.fit(x, y, batch_size=4, epochs=2, verbose=0)
