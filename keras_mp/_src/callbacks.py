@@ -178,7 +178,7 @@ class _Whole(float):
 class _Progbar(keras.utils.Progbar):
     def update(self, current, values=None, finalize=None):
         values = [
-            (k, _Whole(v) if k in WHOLE_KEYS and isinstance(v, (int, float)) else v)
+            (k, _Whole(v) if k.endswith(WHOLE_KEYS) and isinstance(v, (int, float)) else v)
             for k, v in (values or [])
         ]
         super().update(current, values, finalize=finalize)
@@ -217,8 +217,13 @@ class EpochTelemetry(keras.callbacks.Callback):
     async_safe = True
 
     def on_epoch_end(self, epoch, logs=None):
-        optimizer = getattr(self.model, "optimizer", None)
-        if logs is None or "loss_scale" in logs or not hasattr(optimizer, "skipped_steps"):
+        from keras_mp._src.train_step import telemetry_keys
+        from keras_mp._src.wrapping import loss_scale_optimizers
+
+        if logs is None:
             return
-        logs["loss_scale"] = float(_value(optimizer.loss_scale))
-        logs["skipped_steps"] = float(_value(optimizer.skipped_steps))
+        for label, optimizer in loss_scale_optimizers(self.model):
+            scale_key, skipped_key = telemetry_keys(label)
+            if scale_key not in logs:
+                logs[scale_key] = float(_value(optimizer.loss_scale))
+                logs[skipped_key] = float(_value(optimizer.skipped_steps))

@@ -16,7 +16,6 @@ from keras.src.utils import io_utils
 
 from keras_mp._src import backends
 from keras_mp._src.inner_optimizer import clip_in_float32
-from keras_mp._src.inner_optimizer import wrapper_of
 from keras_mp._src.levels import LEVELS
 from keras_mp._src.levels import check_half_dtype
 from keras_mp._src.levels import get_level
@@ -28,10 +27,13 @@ from keras_mp._src.policies import apply_amp
 from keras_mp._src.policies import check_layer_list
 from keras_mp._src.policies import is_amp_model
 from keras_mp._src.policies import layer_lists
-from keras_mp._src.policies import layers_in_order
 from keras_mp._src.policies import precision_record
 from keras_mp._src.policies import restore_precision
 from keras_mp._src.train_step import guard_train_step
+from keras_mp._src.wrapping import leave_bare
+from keras_mp._src.wrapping import needs
+from keras_mp._src.wrapping import wrap_model_optimizers
+from keras_mp._src.wrapping import wrap_optimizer
 
 AMP_ARGUMENTS = ("amp_level", "amp_dtype", "loss_scale", "keep_batchnorm_fp32", "master_weights")
 # The compile config's record of each layer's precision (`precision_record`).
@@ -155,89 +157,18 @@ def resolve_amp(
             "master_weights='compensated'"
         )
     if loss_scale is _DEFAULT:
-        wants = dtype == "float16" and get_level(level).float16_loss_scale
-        loss_scale = "dynamic" if wants else None
-    return level, dtype, loss_scale, keep_batchnorm_fp32
-
-
-def _wrap_optimizer(optimizer, loss_scale, half_variables, master_weights):
-    """The optimizer `compile` trains with, under the amp settings.
-
-    `master_weights` (None: True) matters where the level makes variables half
-    (`half_variables`, O3): without a loss scale, the optimizer is wrapped all
-    the same, in a fixed scale of 1, for the float32 copies (and the skip of a
-    non-finite step that comes with the wrapper).
-    """
-    masters = True if master_weights is None else master_weights
-    if isinstance(optimizer, keras.optimizers.LossScaleOptimizer):
-        if isinstance(optimizer, LossScaleOptimizer):
-            converted = optimizer  # an explicit LossScaleOptimizer is kept as given
+        # float16 at O1/O2: a dynamic scale. Elsewhere in half a fixed scale
+        # of 1, which checks each step and skips a non-finite one (at O3 the
+        # master weights' wrapper does so too); `loss_scale=None` opts out
+        # at O1/O2.
+        spec = get_level(level)
+        if dtype == "float16" and spec.float16_loss_scale:
+            loss_scale = "dynamic"
+        elif spec.half_compute != "none" and not spec.half_variables:
+            loss_scale = 1.0
         else:
-            converted = _from_keras_loss_scale_optimizer(optimizer, masters)
-        if master_weights is not None and converted.master_weights != master_weights:
-            raise ValueError(
-                "`master_weights` and the LossScaleOptimizer passed as "
-                "`optimizer` disagree; set it on one of them. Received: "
-                f"master_weights={master_weights!r}, "
-                f"optimizer.master_weights={converted.master_weights!r}"
-            )
-        return converted
-    if loss_scale is None and not (half_variables and masters):
-        return optimizer
-    if loss_scale is None:
-        loss_scale = 1.0  # the wrapper for the master weights only
-    dynamic = loss_scale == "dynamic"
-    wrapper = wrapper_of(optimizer)
-    if (
-        wrapper is not None
-        and wrapper.dynamic == dynamic
-        and (dynamic or wrapper.initial_scale == float(loss_scale))
-        and wrapper.master_weights == masters
-    ):
-        # The same optimizer compiled again (a second `compile` call): its
-        # wrapper, with its state, rather than a second one around it.
-        return wrapper
-    if dynamic:
-        return LossScaleOptimizer(optimizer, master_weights=masters, name="loss_scale_optimizer")
-    return LossScaleOptimizer(
-        optimizer,
-        dynamic=False,
-        initial_scale=float(loss_scale),
-        master_weights=masters,
-        name="loss_scale_optimizer",
-    )
-
-
-def _from_keras_loss_scale_optimizer(optimizer, master_weights):
-    """Keras's own LossScaleOptimizer, as keras_mp's: same settings and state.
-
-    Under `amp_level` a skipped step must also leave BatchNorm's statistics
-    and the metrics as they were, and the logs carry the scale; both need
-    keras_mp's optimizer. Keras's scale has no floor: a scale it let fall
-    below 1 comes back as 1 (`min_scale`).
-    """
-    initial_scale = float(optimizer.initial_scale)
-    converted = LossScaleOptimizer(
-        optimizer.inner_optimizer,
-        initial_scale=initial_scale,
-        dynamic_growth_steps=optimizer.dynamic_growth_steps,
-        min_scale=min(1.0, initial_scale),
-        max_scale=max(2.0**24, initial_scale),
-        master_weights=master_weights,
-        name=optimizer.name,
-    )
-    if optimizer.built:
-        scale = float(keras.ops.convert_to_numpy(optimizer.dynamic_scale))
-        converted.loss_scale.assign(min(max(scale, converted.min_scale), converted.max_scale))
-        converted.good_steps.assign(optimizer.step_counter.value)
-    warnings.warn(
-        "compile(amp_level=...) replaced keras.optimizers.LossScaleOptimizer "
-        "with keras_mp.LossScaleOptimizer (same inner optimizer, settings and "
-        "scale), so that a skipped step loses nothing and the scale is "
-        "logged; use `model.optimizer` from now on.",
-        stacklevel=4,
-    )
-    return converted
+            loss_scale = None
+    return level, dtype, loss_scale, keep_batchnorm_fp32
 
 
 def compile(model, *args, **kwargs):
@@ -299,8 +230,10 @@ def _compile_with_amp(
         result = _keras_compile(self, *args, **kwargs)
         _check_distribution(self)
         # keras_mp's optimizer reports its loss scale in `fit`'s logs; a
-        # Keras optimizer leaves the step exactly as Keras builds it.
-        guard_train_step(self, guard=False)
+        # Keras optimizer leaves the step exactly as Keras builds it. Under
+        # keras_mp's precision a skipped step restores BatchNorm's
+        # statistics too.
+        guard_train_step(self, guard=is_amp_model(self))
         return result
     level, dtype, loss_scale, keep_batchnorm_fp32 = resolve_amp(
         amp_level, amp_dtype, loss_scale, keep_batchnorm_fp32, master_weights
@@ -318,7 +251,7 @@ def _compile_with_amp(
     arguments.pop("self")
     apply_amp(self, level, dtype, keep_batchnorm_fp32=keep_batchnorm_fp32, allow=allow, deny=deny)
     _restore_saved(self)
-    optimizer = _wrap_optimizer(
+    optimizer = wrap_optimizer(
         keras.optimizers.get(arguments["optimizer"]),
         loss_scale,
         half_variables=get_level(level).half_variables,
@@ -350,20 +283,23 @@ def _scaled_as_keras_would(model, args, kwargs):
     subclassed model's is float32 (its inputs and outputs), so Keras would
     not wrap, and its float16 gradients would go unscaled (a functional
     model's Keras would wrap in its own). A plain `compile` of such a model
-    wraps the optimizer in keras_mp's, as under Keras's global
-    mixed_float16; not with `auto_scale_loss=False`, and not at O3 or in
-    bfloat16, where Keras does not either. Returns `compile`'s keyword
-    arguments.
+    wraps the optimizer in keras_mp's with what the layers need
+    (`wrapping.needs`): a dynamic scale for float16 layers, as under Keras's
+    global mixed_float16; at O3 the float32 master weights, and in bfloat16
+    the skip of a non-finite step, which Keras's half policies lack. Not
+    with `auto_scale_loss=False`, which leaves every optimizer of the model
+    bare. Returns `compile`'s keyword arguments.
     """
     arguments = _keras_compile_signature.bind(model, *args, **kwargs).arguments
     arguments.pop("self")
-    if not arguments.get("auto_scale_loss", True) or not any(
-        layer.dtype_policy.name == "mixed_float16" for layer in layers_in_order(model)
-    ):
+    bare = not arguments.get("auto_scale_loss", True)
+    leave_bare(model, bare)
+    loss_scale = needs(model)
+    if bare or loss_scale is None:
         return arguments
     optimizer = keras.optimizers.get(arguments.get("optimizer", "rmsprop"))
     if not isinstance(optimizer, keras.optimizers.LossScaleOptimizer):
-        optimizer = _wrap_optimizer(optimizer, "dynamic", half_variables=False, master_weights=None)
+        optimizer = wrap_optimizer(optimizer, loss_scale, half_variables=True, master_weights=None)
         clip_in_float32(optimizer.inner_optimizer)
     arguments["optimizer"] = optimizer
     return arguments
@@ -475,6 +411,34 @@ def _aggregate_additional_loss_in_floatx(self, loss):
     return _keras_aggregate_additional_loss(self, loss)
 
 
+def _with_optimizers_prepared(method):
+    """`fit` / `train_on_batch` of a model whose precision keras_mp set: first,
+    every bare optimizer it holds is wrapped as its precision needs
+    (`wrapping.wrap_model_optimizers`): a `compile` of the model's own may
+    keep them in attributes of its own (a GAN's `d_optimizer`). Other
+    models get Keras's own, untouched."""
+
+    @functools.wraps(method)
+    def prepared(self, *args, **kwargs):
+        if is_amp_model(self) and wrap_model_optimizers(self):
+            had_own = method.__name__ in self.__dict__
+            guard_train_step(self, guard=True)
+            if not had_own and method.__name__ in self.__dict__:
+                # Through the model's own `fit` now (the logs' telemetry).
+                return getattr(self, method.__name__)(*args, **kwargs)
+        return method(self, *args, **kwargs)
+
+    prepared._keras_mp_prepared = True
+    return prepared
+
+
+def _install_preparation():
+    for name in ("fit", "train_on_batch"):
+        owner = next(c for c in keras.Model.__mro__ if name in c.__dict__)
+        if not getattr(owner.__dict__[name], "_keras_mp_prepared", False):
+            setattr(owner, name, _with_optimizers_prepared(owner.__dict__[name]))
+
+
 def install():
     """Adds the amp keywords to `keras.Model.compile` (idempotent), saves and
     restores each layer's precision with the compile config, and sums half
@@ -489,3 +453,4 @@ def install():
         Trainer.get_compile_config = _get_compile_config_with_precision
     if _keras_aggregate_additional_loss is not None:
         Trainer._aggregate_additional_loss = _aggregate_additional_loss_in_floatx
+    _install_preparation()

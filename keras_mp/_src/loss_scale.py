@@ -161,6 +161,9 @@ class Step(NamedTuple):
         state_index: where the state's three values start among the
             optimizer's own values (`optimizer_variables`' first
             `own_count`; the inner optimizer's follow).
+        loss_unscaled: the gradients are of a loss that never reached
+            `scale_loss` in this step (a `train_step` of the user's own,
+            inside `fit`): they are checked, and unscaled by 1.
     """
 
     config: LossScaleConfig
@@ -174,6 +177,7 @@ class Step(NamedTuple):
     inner_stateless_apply: object = None
     state_index: int = 0
     own_count: int = 0
+    loss_unscaled: bool = False
 
 
 # -- the arguments, checked ----------------------------------------------------

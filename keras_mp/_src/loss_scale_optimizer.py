@@ -170,6 +170,12 @@ class LossScaleOptimizer(_KerasLossScaleOptimizer):
         # read when a step is traced or run, never from a tensor.
         self._loss_ever_scaled = False
         self._warned_unscaled_loss = False
+        # Inside a `fit` step (set by its train step, `train_step.py`): whether
+        # the loss reached `scale_loss` in this step; None outside one.
+        self._scaled_this_step = None
+        # The model attribute that holds this optimizer (`d_optimizer`), for
+        # messages and logs; set where keras_mp finds it (`wrapping.py`).
+        self._keras_mp_label = "optimizer"
         # JAX: whether the last `scale_loss` read the step's own scale (in a
         # StatelessScope) rather than the variable's value at trace time.
         self._scale_is_the_steps = True
@@ -299,6 +305,7 @@ class LossScaleOptimizer(_KerasLossScaleOptimizer):
             inner_stateless_apply=self._inner_stateless_apply,
             state_index=self._state_start,
             own_count=len(self._variables),
+            loss_unscaled=self._scaled_this_step is False,
         )
 
     def _apply_inner(self, grads, trainable_variables):
@@ -381,10 +388,13 @@ class LossScaleOptimizer(_KerasLossScaleOptimizer):
         last step": a loss scaled in one `tf.function` and applied outside it
         is scaled only when that function is traced.
         """
-        if self._loss_ever_scaled or self._warned_unscaled_loss:
-            return
         if not self._config.dynamic and self.initial_scale == 1.0:
             return  # dividing by 1 changes nothing
+        if self._scaled_this_step is False:
+            self._warn_unscaled_in_a_train_step(method)
+            return
+        if self._loss_ever_scaled or self._warned_unscaled_loss:
+            return
         self._warned_unscaled_loss = True
         warnings.warn(
             f"LossScaleOptimizer.{method} was called, but the loss was never "
@@ -400,6 +410,33 @@ class LossScaleOptimizer(_KerasLossScaleOptimizer):
             "If you multiplied the loss by `optimizer.loss_scale` yourself, "
             "ignore this warning.",
             stacklevel=3,
+        )
+
+    def _warn_unscaled_in_a_train_step(self, method):
+        """Warns, once, of a `fit` step whose loss never reached `scale_loss`.
+
+        Its gradients are applied as they are (unscaled by 1, checked, a
+        non-finite step skipped): the model trains, but float16 gradients
+        below float16's smallest value were lost before they got here.
+        """
+        if self._warned_unscaled_loss:
+            return
+        self._warned_unscaled_loss = True
+        line = f"loss = self.{self._keras_mp_label}.scale_loss(loss)"
+        warnings.warn(
+            f"keras_mp: LossScaleOptimizer.{method} of `self.{self._keras_mp_label}` "
+            f"was called in a train_step whose loss was never scaled: its "
+            f"gradients are applied as they are (checked, and a step whose "
+            f"gradients are not finite is skipped), without loss scaling, so "
+            f"float16 gradients below ~6e-8 are lost (underflow). Scale the "
+            f"loss before taking its gradients: `{line}`"
+            + (
+                " (JAX: inside a `keras.StatelessScope` mapping the optimizer's "
+                "variables to the step's `optimizer_variables`)."
+                if backends.current.STATELESS
+                else "."
+            ),
+            stacklevel=4,
         )
 
     def _warn_if_the_scale_was_a_constant(self, optimizer_variables):
@@ -440,6 +477,8 @@ class LossScaleOptimizer(_KerasLossScaleOptimizer):
             `loss * loss_scale`, in float32 (or wider, if `loss` is wider).
         """
         self._loss_ever_scaled = True
+        if self._scaled_this_step is not None:
+            self._scaled_this_step = True
         scale, self._scale_is_the_steps = backends.current.read_scale(self.loss_scale)
         return ops.multiply(loss, scale)
 

@@ -14,6 +14,7 @@ from keras.src.backend import set_keras_mask
 from keras.src.models.functional import Functional
 
 from keras_mp._src import backends
+from keras_mp._src import fallback
 from keras_mp._src import table
 from keras_mp._src.levels import check_half_dtype
 from keras_mp._src.levels import get_level
@@ -355,6 +356,9 @@ def _decide(
         return "float32", "input statistics: float32 at every level"
     if level.half_compute == "none":
         return "float32", f"{level.name}: float32"
+    if _matches(layer, deny[len(DENY_LIST) :]):
+        # The user's `deny=` wins at every level, over the allow-list too.
+        return "float32", f"{level.name}: deny=, float32"
     user_allowed = _matches(layer, allow[len(ALLOW_LIST) :])
     if (
         half == "float16"
@@ -817,14 +821,16 @@ def precision_summary(model, print_fn=None):
     rows = []
     for layer in layers_in_order(model):
         policy = layer.dtype_policy
+        rule = getattr(layer, _RULE_ATTRIBUTE, _KERAS_DEFAULT_RULE)
+        fell_back = fallback.fell_back(layer)
         rows.append(
             {
                 "layer": layer.path if getattr(layer, "path", None) else layer.name,
                 "class": type(layer).__name__,
-                "compute_dtype": policy.compute_dtype,
+                "compute_dtype": "float32" if fell_back else policy.compute_dtype,
                 "variable_dtype": policy.variable_dtype,
                 "policy": policy.name,
-                "rule": getattr(layer, _RULE_ATTRIBUTE, _KERAS_DEFAULT_RULE),
+                "rule": f"{rule}; {fell_back}" if fell_back else rule,
             }
         )
     columns = ("layer", "class", "compute_dtype", "variable_dtype", "rule")
@@ -867,6 +873,8 @@ def _set_policy(layer, policy_name, rule):
     policy = keras.dtype_policies.get(policy_name)
     previous = layer.dtype_policy.variable_dtype
     layer.dtype_policy = policy
+    if not _is_container(layer) and not _from_aware_package(layer):
+        fallback.watch(layer)  # your own layer: float32 if its call cannot run in half
     return layer.built and _convert_own_variables(layer, previous, policy.variable_dtype)
 
 

@@ -51,19 +51,33 @@ def _set_batch_telemetry(model, on):
         guard_train_step(model, guard=model.__dict__[_GUARD])
 
 
+def telemetry_keys(label):
+    """The log keys of an optimizer's scale and skip count: `loss_scale` and
+    `skipped_steps` for the model's `optimizer`, `d_optimizer_loss_scale`
+    and `d_optimizer_skipped_steps` for a `d_optimizer` of its own."""
+    if label == "optimizer":
+        return TELEMETRY_KEYS
+    return tuple(f"{label}_{key}" for key in TELEMETRY_KEYS)
+
+
 def guard_train_step(model, guard=True):
     """Wraps `model.train_step` (idempotent); a no-op without a keras_mp LSO.
+
+    Every keras_mp LossScaleOptimizer the model holds (`model.optimizer`, or
+    attributes of its own such as a GAN's `d_optimizer`) is watched: each
+    one's scale and skip count go to the logs (`telemetry_keys`), and each
+    learns at every step whether the loss reached its `scale_loss`.
 
     Args:
         model: a compiled `keras.Model`.
         guard: whether a skipped step also restores the non-trainable
             variables (under `amp_level`); telemetry is always added.
     """
-    from keras_mp._src.loss_scale_optimizer import LossScaleOptimizer
+    from keras_mp._src.wrapping import loss_scale_optimizers
 
     original = model.__dict__.get(_ORIGINAL) or model.train_step
-    optimizer = getattr(model, "optimizer", None)
-    if not isinstance(optimizer, LossScaleOptimizer):
+    optimizers = loss_scale_optimizers(model)
+    if not optimizers:
         # Not keras_mp's optimizer: the plain Keras step.
         if _ORIGINAL in model.__dict__:
             model.__dict__.pop("train_step", None)
@@ -72,11 +86,11 @@ def guard_train_step(model, guard=True):
             model.__dict__.pop("train_on_batch", None)
             model.train_function = None
         return
-    guard = guard and optimizer.config.checks_finite
+    guard = guard and any(o.config.checks_finite for _, o in optimizers)
     if backends.current.STATELESS:
-        train_step = _stateless_train_step(original, model, optimizer, guard)
+        train_step = _stateless_train_step(original, model, optimizers, guard)
     else:
-        train_step = _stateful_train_step(original, model, optimizer, guard)
+        train_step = _stateful_train_step(original, model, optimizers, guard)
     object.__setattr__(model, _ORIGINAL, original)
     object.__setattr__(model, _GUARD, guard)
     object.__setattr__(model, "train_step", train_step)
@@ -152,13 +166,30 @@ def _reads_batch_logs(callback):
     )
 
 
-def _with_telemetry(logs, loss_scale, skipped_steps):
+def _with_telemetry(logs, values):
+    """`logs` with `values` (`{label: (loss_scale, skipped_steps)}`) added."""
     if not isinstance(logs, dict):
         return logs  # a custom train_step's own return value: left as it is
     logs = dict(logs)
-    logs["loss_scale"] = loss_scale
-    logs["skipped_steps"] = skipped_steps
+    for label, pair in values.items():
+        logs.update(zip(telemetry_keys(label), pair))
     return logs
+
+
+class _StepFlags:
+    """Each optimizer learns, for the step being traced (or run), whether
+    the loss reached its `scale_loss` (`LossScaleOptimizer._scaled_this_step`)."""
+
+    def __init__(self, optimizers):
+        self.optimizers = [o for _, o in optimizers]
+
+    def __enter__(self):
+        for optimizer in self.optimizers:
+            optimizer._scaled_this_step = False
+
+    def __exit__(self, *exc):
+        for optimizer in self.optimizers:
+            optimizer._scaled_this_step = None
 
 
 def _bad_metrics(skipped, metrics):
@@ -170,17 +201,23 @@ def _bad_metrics(skipped, metrics):
     return ops.logical_and(skipped, ops.logical_not(ops.all(ops.stack(finite))))
 
 
-def _stateful_train_step(original, model, optimizer, guard):
+def _stateful_train_step(original, model, optimizers, guard):
     def train_step(data):
         if guard:
             # The model's state, and the metrics' (see `_bad_metrics`).
             # Copies: on PyTorch `.value` is the parameter itself, updated in place.
             state = [(v, ops.copy(v.value)) for v in model.non_trainable_variables]
             metrics = [(v, ops.copy(v.value)) for v in model.metrics_variables]
-            skipped_before = ops.copy(optimizer.skipped_steps.value)
-        logs = original(data)
+            skipped_before = [ops.copy(o.skipped_steps.value) for _, o in optimizers]
+        with _StepFlags(optimizers):
+            logs = original(data)
         if guard:
-            skipped = ops.not_equal(optimizer.skipped_steps.value, skipped_before)
+            # Any optimizer's skip: a NaN batch skips them all.
+            moved = [
+                ops.not_equal(o.skipped_steps.value, before)
+                for (_, o), before in zip(optimizers, skipped_before)
+            ]
+            skipped = moved[0] if len(moved) == 1 else ops.any(ops.stack(moved))
             bad_metrics = _bad_metrics(skipped, [v.value for v, _ in metrics])
             for restore, pairs in ((skipped, state), (bad_metrics, metrics)):
                 for variable, old in pairs:
@@ -189,20 +226,32 @@ def _stateful_train_step(original, model, optimizer, guard):
             return logs
         return _with_telemetry(
             logs,
-            backends.current.log_value(optimizer.loss_scale),
-            backends.current.log_value(optimizer.skipped_steps),
+            {
+                label: (
+                    backends.current.log_value(o.loss_scale),
+                    backends.current.log_value(o.skipped_steps),
+                )
+                for label, o in optimizers
+            },
         )
 
     return train_step
 
 
-def _stateless_train_step(original, model, optimizer, guard):
+def _stateless_train_step(original, model, optimizers, guard):
+    # JAX's step carries `model.optimizer`'s values only: the others'
+    # variables cannot change inside it (Keras's JAX trainer).
+    optimizer = dict(optimizers).get("optimizer")
+
     def train_step(state, data):
+        old_non_trainable = state[1]
+        with _StepFlags(optimizers):
+            logs, new_state = original(state, data)
+        if optimizer is None:
+            return logs, new_state
         ids = [id(v) for v in optimizer.variables]
         scale_at = ids.index(id(optimizer.loss_scale))
         skipped_at = ids.index(id(optimizer.skipped_steps))
-        old_non_trainable = state[1]
-        logs, new_state = original(state, data)
         trainable, non_trainable, optimizer_values, metrics = new_state
         if guard:
             skipped = ops.not_equal(optimizer_values[skipped_at], state[2][skipped_at])
@@ -212,7 +261,8 @@ def _stateless_train_step(original, model, optimizer, guard):
             bad_metrics = _bad_metrics(skipped, metrics)
             metrics = [ops.where(bad_metrics, old, new) for old, new in zip(state[3], metrics)]
         if _batch_telemetry(model):
-            logs = _with_telemetry(logs, optimizer_values[scale_at], optimizer_values[skipped_at])
+            values = {"optimizer": (optimizer_values[scale_at], optimizer_values[skipped_at])}
+            logs = _with_telemetry(logs, values)
         return logs, (trainable, non_trainable, optimizer_values, metrics)
 
     return train_step

@@ -148,6 +148,12 @@ def unscale(grads, scale, skip=(), keep_dtype=False, with_values=None):
     return out
 
 
+def scale_of_grads(step, scale):
+    """What the step's gradients were multiplied by: the loss scale, or 1
+    where the loss never reached `scale_loss` (`Step.loss_unscaled`)."""
+    return ops.ones_like(scale) if step.loss_unscaled else scale
+
+
 def _no_indexed_slices(indexed_slices, values):
     raise TypeError(f"{type(indexed_slices).__name__} gradients exist on TensorFlow only.")
 
@@ -204,7 +210,7 @@ def stateless_step(step, optimizer_values, grads, trainable_values, by_select=No
         return new_own
 
     def on_finite(kept=None):
-        unscaled = unscale(grads, state.scale, skip=step.skip)
+        unscaled = unscale(grads, scale_of_grads(step, state.scale), skip=step.skip)
         new_trainable, new_own, new_inner = step.inner_stateless_apply(
             own_values, inner_values, unscaled, trainable_values, kept=kept
         )

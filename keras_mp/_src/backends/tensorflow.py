@@ -168,7 +168,9 @@ def apply(step, grads, trainable_variables, unscaled_by_caller):
     config = step.config
 
     def unscaled(grads, scale):
-        return grads if unscaled_by_caller else unscale(grads, scale, skip=step.skip)
+        if unscaled_by_caller:
+            return grads
+        return unscale(grads, common.scale_of_grads(step, scale), skip=step.skip)
 
     # Under XLA, gradients cast up from half precision enter the skip's
     # branches as the half tensors they were cast from.

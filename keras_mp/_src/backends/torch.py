@@ -58,7 +58,10 @@ def apply(step, grads, trainable_variables, unscaled_by_caller):
             unscaled = grads
             finite = not step.config.checks_finite or bool(step.check_finite(grads))
         else:
-            unscaled, found_inf = unscale_and_check(grads, step.variables[0], skip=step.skip)
+            scale = step.variables[0].value
+            if step.loss_unscaled:
+                scale = torch.ones_like(scale)
+            unscaled, found_inf = unscale_and_check(grads, scale, skip=step.skip)
             # The one host read, as GradScaler's.
             finite = not step.config.checks_finite or not bool(found_inf)
         if finite:

@@ -1,0 +1,124 @@
+"""Layers of your own that cannot compute in half: found at their first call,
+kept in float32.
+
+A layer's own `call` may mix its half inputs with a float32 tensor of its
+own: keras-io's VAE samples `z_mean + ops.exp(0.5 * z_log_var) *
+keras.random.normal(...)`, whose draw is float32 (floatx) whatever the
+layer's policy; a float32 constant or weight does the same. TensorFlow
+refuses float16 x float32 ("Input 'y' of 'Mul' Op has type float32 that
+does not match type float16"), under Keras's own mixed policies too.
+
+keras_mp cannot read a layer's code, so it watches the first call instead:
+a layer defined outside Keras and KerasHub that computes in half has its
+`call` wrapped; when the call fails with an error that names a half dtype,
+the call is run again in float32 (its floating inputs cast to float32, its
+weights read in float32, its outputs cast back to the dtype its caller
+expects). When that succeeds the layer computes in float32 from then on, its
+reason is in `precision_summary`, and a warning names it once. When it fails
+too, the error names the layer and the fix (`deny=[TheLayer]`), raised from
+the backend's. The retry happens while the step is traced (TensorFlow, JAX)
+or run (PyTorch): the failed ops of the first try are never run.
+"""
+
+import functools
+import warnings
+
+import keras
+
+from keras_mp._src.levels import HALF_DTYPES
+
+_INSTALLED = "_keras_mp_fallback_installed"
+# The reason a layer computes in float32, once it fell back.
+FELL_BACK = "_keras_mp_fell_back"
+_HALF_NAMES = ("float16", "bfloat16", "half", "bf16")
+
+
+def watch(layer):
+    """Wraps `layer.call` (once) so that a half-precision failure falls back."""
+    if getattr(layer, _INSTALLED, False) or not hasattr(layer, "call"):
+        return
+    object.__setattr__(layer, "call", _with_fallback(layer, layer.call))
+    object.__setattr__(layer, _INSTALLED, True)
+
+
+def fell_back(layer):
+    """The reason `layer` computes in float32 after a failure in half, or None."""
+    return getattr(layer, FELL_BACK, None)
+
+
+def _names_a_half_dtype(error):
+    message = str(error).lower()
+    return any(name in message for name in _HALF_NAMES)
+
+
+def _with_fallback(layer, call):
+    @functools.wraps(call)
+    def call_with_fallback(*args, **kwargs):
+        if fell_back(layer) is not None:
+            return _in_float32(layer, call, args, kwargs)
+        half = keras.backend.standardize_dtype(layer.compute_dtype)
+        if half not in HALF_DTYPES:
+            return call(*args, **kwargs)
+        try:
+            return call(*args, **kwargs)
+        except Exception as error:
+            if not _names_a_half_dtype(error):
+                raise
+            try:
+                outputs = _in_float32(layer, call, args, kwargs)
+            except Exception:
+                raise _named(layer, half, error) from error
+            _fall_back(layer, half, error)
+            return outputs
+
+    return call_with_fallback
+
+
+def _in_float32(layer, call, args, kwargs):
+    """`call` in float32: floating inputs and weights read in float32, the
+    outputs cast back to the layer's compute dtype (what its caller expects)."""
+    from keras.src.backend import AutocastScope
+
+    args, kwargs = keras.tree.map_structure(lambda x: _cast(x, "float32"), (args, kwargs))
+    with AutocastScope("float32"):
+        outputs = call(*args, **kwargs)
+    dtype = keras.backend.standardize_dtype(layer.compute_dtype)
+    return keras.tree.map_structure(lambda x: _cast(x, dtype), outputs)
+
+
+def _cast(x, dtype):
+    if not keras.ops.is_tensor(x) or isinstance(x, keras.KerasTensor):
+        return x
+    current = keras.backend.standardize_dtype(x.dtype)
+    if current == dtype or current not in HALF_DTYPES + ("float32",):
+        return x
+    return keras.ops.cast(x, dtype)
+
+
+def _first_line(error):
+    lines = [line.strip() for line in str(error).splitlines() if line.strip()]
+    text = " ".join(lines[:2])
+    return text if len(text) <= 200 else text[:197] + "..."
+
+
+def _fall_back(layer, half, error):
+    reason = f"mixes {half} with float32 in its own call: float32"
+    object.__setattr__(layer, FELL_BACK, reason)
+    name = type(layer).__name__
+    warnings.warn(
+        f"keras_mp: layer {layer.name!r} ({name}) cannot compute in {half}: its "
+        f"own call mixes {half} with float32 ({_first_line(error)}). It computes "
+        f"in float32 from now on (its inputs and outputs cast). To say so "
+        f"yourself: deny=[{name}] in apply_amp (amp_deny=[{name}] in compile).",
+        stacklevel=4,
+    )
+
+
+def _named(layer, half, error):
+    name = type(layer).__name__
+    return TypeError(
+        f"keras_mp: layer {layer.name!r} ({name}) failed in {half}, and in "
+        f"float32 too: {_first_line(error)}. If it must compute in float32, "
+        f"keep it there with deny=[{name}] in apply_amp (amp_deny=[{name}] "
+        f"in compile)."
+    )
