@@ -61,7 +61,10 @@ def test_compile_with_an_explicit_loss_scale_optimizer():
     [
         ({"amp_level": "O2"}, True, True, 2.0**15),
         ({"amp_level": "O1"}, True, True, 2.0**15),
-        ({"amp_level": "O2", "amp_dtype": "bfloat16"}, False, None, None),
+        # bfloat16: no loss scale, but each step is checked and a
+        # non-finite one skipped (a fixed scale of 1).
+        ({"amp_level": "O2", "amp_dtype": "bfloat16"}, True, False, 1.0),
+        ({"amp_level": "O2", "amp_dtype": "bfloat16", "loss_scale": None}, False, None, None),
         # O3's half variables get float32 master weights, in a wrapper of
         # their own where no loss scale is asked for.
         ({"amp_level": "O3"}, True, False, 1.0),

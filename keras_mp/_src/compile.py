@@ -258,6 +258,8 @@ def _compile_with_amp(
         master_weights=master_weights,
     )
     clip_in_float32(getattr(optimizer, "inner_optimizer", optimizer))
+    # `loss_scale=None` (O1/O2 in bfloat16) leaves it bare on purpose.
+    leave_bare(self, not isinstance(optimizer, keras.optimizers.LossScaleOptimizer))
     arguments["optimizer"] = optimizer
     # keras_mp decides about loss scaling; Keras must not wrap a second time.
     arguments["auto_scale_loss"] = False

@@ -126,10 +126,17 @@ class MasterWeights:
             self.write_marks[id(variable)] = _mark(variable)
 
     def finalize(self, finalize_inner, var_list, index_of):
-        """`finalize_variable_values` (EMA) on the copies, then the write-back."""
+        """`finalize_variable_values` (EMA) on the copies, then the write-back.
+
+        The copies are reconciled first, as at a step: a copy that never
+        stepped (an optimizer that was built but never applied, such as the
+        `optimizer` a GAN's `compile` leaves unused) holds zeros, which
+        would otherwise overwrite the weights at the end of `fit`.
+        """
         written = self._pairs(var_list, index_of)
         targets = list(var_list)
-        for k, _, copy in written:
+        for k, variable, copy in written:
+            copy.assign(reconciled(copy.value, variable.value))
             targets[k] = copy
         finalize_inner(targets)
         for _, variable, copy in written:

@@ -6,6 +6,7 @@ rule that set it is kept beside it (for `precision_summary`).
 
 import dataclasses
 import functools
+import threading
 import warnings
 
 import keras
@@ -105,6 +106,11 @@ _KERAS_DEFAULT_RULE = "Keras default"
 _CASTS_ATTRIBUTE = "_keras_mp_boundary_casts"
 _ENTRY_DTYPE_ATTRIBUTE = "_keras_mp_entry_dtype"
 _OUTPUT_DTYPE_ATTRIBUTE = "_keras_mp_output_dtype"
+# On a model held by a subclassed model: the dtype it returns when called
+# from outside that model's `call` (its `train_step`, `compute_loss`).
+_OUTSIDE_DTYPE_ATTRIBUTE = "_keras_mp_outside_dtype"
+# How many subclassed models' own `call`s are running (this thread).
+_MODEL_CALLS = threading.local()
 # Set on a model that `apply_amp` or `to_float` was given (see `is_amp_model`).
 _AMP_MODEL_ATTRIBUTE = "_keras_mp_amp_model"
 _LAYER_LISTS_ATTRIBUTE = "_keras_mp_layer_lists"
@@ -191,10 +197,20 @@ def _output_layers(model):
     Known for Sequential and functional models (recursively, when an output
     comes from a nested model). A subclassed model's outputs are whatever its
     `call` returns: the subclassed model itself is listed, and its outputs
-    are cast to float32 (`_set_boundary_casts`).
+    are cast to float32 (`_set_boundary_casts`). So are the outputs of the
+    models it holds (a GAN's generator and discriminator, a VAE's encoder
+    and decoder, a distiller's student and teacher): a `train_step` or
+    `compute_loss` of its own computes its losses from them, as from the
+    model's own outputs.
     """
     if _is_subclassed(model):
-        return (model,)
+        outputs = [model]
+        for child in model._flatten_layers(include_self=False, recursive=False):
+            if _is_graph(child):
+                outputs.extend(_output_layers(child))
+            elif _is_subclassed(child):
+                outputs.append(child)
+        return tuple(outputs)
     if isinstance(model, keras.Sequential):
         operations = model.layers[-1:]
     elif isinstance(model, keras.Model) and getattr(model, "_outputs", None):
@@ -249,14 +265,30 @@ def _set_boundary_casts(layer, entry_dtype=None, output_dtype=None):
     object.__setattr__(layer, _CASTS_ATTRIBUTE, True)
 
 
+def _inside_a_model_call():
+    return getattr(_MODEL_CALLS, "depth", 0) > 0
+
+
 def _with_boundary_casts(layer, call):
     @functools.wraps(call)
     def call_with_boundary_casts(*args, **kwargs):
         entry = getattr(layer, _ENTRY_DTYPE_ATTRIBUTE)
-        if entry not in (None, "float32"):
-            args, kwargs = keras.tree.map_structure(lambda x: _cast_float(x, entry), (args, kwargs))
-        outputs = call(*args, **kwargs)
+        if entry is None:
+            outputs = call(*args, **kwargs)
+        else:
+            if entry != "float32":
+                args, kwargs = keras.tree.map_structure(
+                    lambda x: _cast_float(x, entry), (args, kwargs)
+                )
+            _MODEL_CALLS.depth = getattr(_MODEL_CALLS, "depth", 0) + 1
+            try:
+                outputs = call(*args, **kwargs)
+            finally:
+                _MODEL_CALLS.depth -= 1
         target = getattr(layer, _OUTPUT_DTYPE_ATTRIBUTE)
+        outside = getattr(layer, _OUTSIDE_DTYPE_ATTRIBUTE, None)
+        if outside is not None and not _inside_a_model_call():
+            target = outside
         if target is None:
             return outputs
         return keras.tree.map_structure(lambda x: _cast_half_or_float32(x, target), outputs)
@@ -744,6 +776,10 @@ def _set_boundaries(model, outputs=None, entry_dtype=None):
             continue
         inner_dtypes[id(layer)] = None if _is_graph(layer) else layer.compute_dtype
         caller_dtype = None if parent is None else inner_dtypes[id(parent)]
+        # A model held by the (subclassed) model: its own `train_step` or
+        # `compute_loss` calls it too, and gets float32, as from the model.
+        held = parent is model and _is_subclassed(model) and _is_container(layer)
+        object.__setattr__(layer, _OUTSIDE_DTYPE_ATTRIBUTE, "float32" if held else None)
         if caller_dtype is not None and (
             layer.compute_dtype != caller_dtype or _is_container(layer)
         ):
@@ -802,7 +838,11 @@ def to_float(layer_or_model, dtype):
 
 @dataclasses.dataclass(frozen=True, repr=False)
 class PrecisionSummary(table.Report):
-    """`precision_summary`'s table (`.text`, or print it) and its `.rows`."""
+    """`precision_summary`'s table (`.text`, or print it) and its `.rows`;
+    `.optimizers`: one dict per optimizer the model holds (`optimizer`,
+    `class`, `settings`)."""
+
+    optimizers: list = dataclasses.field(default_factory=list)
 
 
 def precision_summary(model, print_fn=None):
@@ -836,10 +876,39 @@ def precision_summary(model, print_fn=None):
     columns = ("layer", "class", "compute_dtype", "variable_dtype", "rule")
     headers = ("Layer", "Class", "Compute", "Variables", "Rule")
     cells = [[str(r[c]) for c in columns] for r in rows]
-    summary = PrecisionSummary("\n".join(table.render(headers, cells, width=None)), rows)
+    lines = table.render(headers, cells, width=None)
+    optimizers = _optimizer_rows(model)
+    if optimizers:
+        lines += [""] + table.render(
+            ("Optimizer", "Class", "Settings"),
+            [[o["optimizer"], o["class"], o["settings"]] for o in optimizers],
+            width=None,
+        )
+    summary = PrecisionSummary("\n".join(lines), rows, optimizers)
     if print_fn is not None:
         print_fn(summary.text)
     return summary
+
+
+def _optimizer_rows(model):
+    """One row per optimizer the model holds, with what keras_mp gave it."""
+    from keras_mp._src import wrapping
+
+    if not isinstance(model, keras.Model):
+        return []
+    rows = []
+    for label, _, optimizer in wrapping.find_optimizers(model):
+        if isinstance(optimizer, keras.optimizers.LossScaleOptimizer) and hasattr(
+            optimizer, "config"
+        ):
+            inner = type(optimizer.inner_optimizer).__name__
+            settings = wrapping.describe(optimizer)
+            name = f"LossScaleOptimizer({inner})"
+        else:
+            name = type(optimizer).__name__
+            settings = "as given (no keras_mp loss scale, skip or master weights)"
+        rows.append({"optimizer": label, "class": name, "settings": settings})
+    return rows
 
 
 def layers_in_order(model):
@@ -970,7 +1039,17 @@ def _convert_own_variables(layer, previous, variable_dtype):
 
 
 def _retrack_torch_parameters(model):
-    """PyTorch modules register parameters by object, in every ancestor."""
-    for layer in layers_in_order(model):
-        if hasattr(layer, "_torch_params"):
-            layer._track_variables()
+    """PyTorch modules register parameters by object, in every ancestor.
+
+    Every torch module under the model, not only its Keras layers: a
+    Sequential keeps its parameters in a functional model of its own
+    (`_functional`), which Keras's layer walk does not visit. Left stale,
+    `zero_grad()` (which Keras's and the guides' PyTorch steps call) would
+    clear the old parameters' gradients, and the new ones' would add up
+    from step to step.
+    """
+    if not hasattr(model, "modules"):  # not a torch module: another backend
+        return
+    for module in model.modules():
+        if hasattr(module, "_torch_params") and hasattr(module, "_track_variables"):
+            module._track_variables()

@@ -1,0 +1,334 @@
+"""keras-io's examples with a training code of their own, ported as users
+copy them and trimmed to seconds (8x8 digits, a few filters), with their
+own `compile` signatures and `train_step`s as written.
+
+- `Distiller`: `examples/vision/knowledge_distillation.py` (Keras 3): its own
+  `compile(optimizer, metrics, student_loss_fn, distillation_loss_fn,
+  alpha, temperature)` and an overridden `compute_loss`; every backend.
+- `TensorFlowGAN`: `examples/generative/dcgan_overriding_train_step.py`:
+  `compile(d_optimizer, g_optimizer, loss_fn)` and a `train_step` with two
+  `tf.GradientTape`s.
+- `TorchGAN`: the GAN of Keras's guide "Customizing what happens in `fit()`
+  with PyTorch", the same model with `backward()`.
+- `VAE` and `Sampling`: `examples/generative/vae.py`: a `train_step` of its
+  own, and a layer that adds a float32 `keras.random.normal` draw to its
+  half inputs.
+
+`scaled=True` adds the one line README documents for a `train_step` of
+one's own in float16: the loss through `scale_loss` before its gradients.
+"""
+
+import functools
+
+import keras
+import numpy as np
+from keras import layers
+from keras import ops
+
+LATENT = 8
+
+
+@functools.lru_cache(maxsize=None)
+def digits(rows=256):
+    """scikit-learn's 8x8 digits in [0, 1] with a channel, and their labels."""
+    from sklearn import datasets
+
+    data = datasets.load_digits()
+    x = (data.images[:rows] / 16.0).astype("float32")[..., None]
+    return x, data.target[:rows].astype("int32")
+
+
+# -- knowledge distillation -------------------------------------------------
+
+
+class Distiller(keras.Model):
+    def __init__(self, student, teacher):
+        super().__init__()
+        self.teacher = teacher
+        self.student = student
+
+    def compile(
+        self,
+        optimizer,
+        metrics,
+        student_loss_fn,
+        distillation_loss_fn,
+        alpha=0.1,
+        temperature=3,
+    ):
+        super().compile(optimizer=optimizer, metrics=metrics)
+        self.student_loss_fn = student_loss_fn
+        self.distillation_loss_fn = distillation_loss_fn
+        self.alpha = alpha
+        self.temperature = temperature
+
+    def compute_loss(self, x=None, y=None, y_pred=None, sample_weight=None, allow_empty=False):
+        teacher_pred = self.teacher(x, training=False)
+        student_loss = self.student_loss_fn(y, y_pred)
+        distillation_loss = self.distillation_loss_fn(
+            ops.softmax(teacher_pred / self.temperature, axis=1),
+            ops.softmax(y_pred / self.temperature, axis=1),
+        ) * (self.temperature**2)
+        return self.alpha * student_loss + (1 - self.alpha) * distillation_loss
+
+    def call(self, x):
+        return self.student(x)
+
+
+def classifier(width, name):
+    return keras.Sequential(
+        [
+            keras.Input((8, 8, 1)),
+            layers.Conv2D(width, 3, padding="same"),
+            layers.LeakyReLU(negative_slope=0.2),
+            layers.Flatten(),
+            layers.Dense(10),
+        ],
+        name=name,
+    )
+
+
+def distiller():
+    """A Distiller whose teacher has been trained (float32), seeded."""
+    keras.utils.set_random_seed(1)
+    x, y = digits()
+    teacher = classifier(16, "teacher")
+    teacher.compile(
+        optimizer=keras.optimizers.Adam(1e-2),
+        loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+    )
+    teacher.fit(x, y, epochs=3, batch_size=64, verbose=0)
+    return Distiller(student=classifier(8, "student"), teacher=teacher)
+
+
+def compile_distiller(model):
+    model.compile(
+        optimizer=keras.optimizers.Adam(1e-2),
+        metrics=[keras.metrics.SparseCategoricalAccuracy()],
+        student_loss_fn=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+        distillation_loss_fn=keras.losses.KLDivergence(),
+        alpha=0.1,
+        temperature=10,
+    )
+
+
+# -- GANs: two optimizers ---------------------------------------------------
+
+
+def discriminator():
+    return keras.Sequential(
+        [
+            keras.Input((8, 8, 1)),
+            layers.Conv2D(8, 3, strides=2, padding="same"),
+            layers.LeakyReLU(negative_slope=0.2),
+            layers.GlobalMaxPooling2D(),
+            layers.Dense(1),
+        ],
+        name="discriminator",
+    )
+
+
+def generator():
+    return keras.Sequential(
+        [
+            keras.Input((LATENT,)),
+            layers.Dense(4 * 4 * 8),
+            layers.LeakyReLU(negative_slope=0.2),
+            layers.Reshape((4, 4, 8)),
+            layers.Conv2DTranspose(8, 4, strides=2, padding="same"),
+            layers.LeakyReLU(negative_slope=0.2),
+            layers.Conv2D(1, 3, padding="same", activation="sigmoid"),
+        ],
+        name="generator",
+    )
+
+
+class _GAN(keras.Model):
+    def __init__(self, discriminator, generator, latent_dim, scaled=False):
+        super().__init__()
+        self.discriminator = discriminator
+        self.generator = generator
+        self.latent_dim = latent_dim
+        self.scaled = scaled
+        self.seed_generator = keras.random.SeedGenerator(1337)
+        self.built = True  # as the guides' GANs (no `call` to build it from)
+
+    def compile(self, d_optimizer, g_optimizer, loss_fn):
+        super().compile()
+        self.d_optimizer = d_optimizer
+        self.g_optimizer = g_optimizer
+        self.loss_fn = loss_fn
+
+    def scale(self, optimizer, loss):
+        """README's one line, where the test asks for it."""
+        return optimizer.scale_loss(loss) if self.scaled else loss
+
+
+class TensorFlowGAN(_GAN):
+    def train_step(self, real_images):
+        import tensorflow as tf
+
+        batch_size = tf.shape(real_images)[0]
+        random_latent_vectors = keras.random.normal(
+            shape=(batch_size, self.latent_dim), seed=self.seed_generator
+        )
+        generated_images = self.generator(random_latent_vectors)
+        combined_images = tf.concat([generated_images, real_images], axis=0)
+        labels = tf.concat([tf.ones((batch_size, 1)), tf.zeros((batch_size, 1))], axis=0)
+        labels += 0.05 * keras.random.uniform(tf.shape(labels), seed=self.seed_generator)
+
+        with tf.GradientTape() as tape:
+            predictions = self.discriminator(combined_images)
+            d_loss = self.loss_fn(labels, predictions)
+            scaled = self.scale(self.d_optimizer, d_loss)
+        grads = tape.gradient(scaled, self.discriminator.trainable_weights)
+        self.d_optimizer.apply_gradients(zip(grads, self.discriminator.trainable_weights))
+
+        random_latent_vectors = keras.random.normal(
+            shape=(batch_size, self.latent_dim), seed=self.seed_generator
+        )
+        misleading_labels = tf.zeros((batch_size, 1))
+        with tf.GradientTape() as tape:
+            predictions = self.discriminator(self.generator(random_latent_vectors))
+            g_loss = self.loss_fn(misleading_labels, predictions)
+            scaled = self.scale(self.g_optimizer, g_loss)
+        grads = tape.gradient(scaled, self.generator.trainable_weights)
+        self.g_optimizer.apply_gradients(zip(grads, self.generator.trainable_weights))
+        return {"d_loss": d_loss, "g_loss": g_loss}
+
+
+class TorchGAN(_GAN):
+    def train_step(self, real_images):
+        import torch
+
+        if isinstance(real_images, (tuple, list)):
+            real_images = real_images[0]
+        batch_size = real_images.shape[0]
+        random_latent_vectors = keras.random.normal(
+            shape=(batch_size, self.latent_dim), seed=self.seed_generator
+        )
+        generated_images = self.generator(random_latent_vectors)
+        combined_images = torch.concat([generated_images, real_images], axis=0)
+        labels = torch.concat([torch.ones((batch_size, 1)), torch.zeros((batch_size, 1))], axis=0)
+        labels += 0.05 * keras.random.uniform(labels.shape, seed=self.seed_generator)
+
+        self.zero_grad()
+        predictions = self.discriminator(combined_images)
+        d_loss = self.loss_fn(labels, predictions)
+        self.scale(self.d_optimizer, d_loss).backward()
+        grads = [v.value.grad for v in self.discriminator.trainable_weights]
+        with torch.no_grad():
+            self.d_optimizer.apply(grads, self.discriminator.trainable_weights)
+
+        random_latent_vectors = keras.random.normal(
+            shape=(batch_size, self.latent_dim), seed=self.seed_generator
+        )
+        misleading_labels = torch.zeros((batch_size, 1))
+        self.zero_grad()
+        predictions = self.discriminator(self.generator(random_latent_vectors))
+        g_loss = self.loss_fn(misleading_labels, predictions)
+        self.scale(self.g_optimizer, g_loss).backward()
+        grads = [v.value.grad for v in self.generator.trainable_weights]
+        with torch.no_grad():
+            self.g_optimizer.apply(grads, self.generator.trainable_weights)
+        return {"d_loss": d_loss.detach(), "g_loss": g_loss.detach()}
+
+
+def gan(scaled=False):
+    """The backend's GAN (TensorFlow's or PyTorch's), seeded; None on JAX,
+    whose `fit` carries one optimizer's state (its GAN is a loop:
+    `examples/gan.py`)."""
+    cls = {"tensorflow": TensorFlowGAN, "torch": TorchGAN}.get(keras.backend.backend())
+    if cls is None:
+        return None
+    keras.utils.set_random_seed(2)
+    return cls(discriminator(), generator(), LATENT, scaled=scaled)
+
+
+def compile_gan(model, d_optimizer=None, g_optimizer=None):
+    model.compile(
+        d_optimizer=d_optimizer or keras.optimizers.Adam(learning_rate=3e-3),
+        g_optimizer=g_optimizer or keras.optimizers.Adam(learning_rate=3e-3),
+        loss_fn=keras.losses.BinaryCrossentropy(from_logits=True),
+    )
+
+
+# -- the VAE ------------------------------------------------------------------
+
+
+class Sampling(layers.Layer):
+    """Uses (z_mean, z_log_var) to sample z, the vector encoding a digit."""
+
+    def __init__(self, **kwargs):
+        super().__init__(**kwargs)
+        self.seed_generator = keras.random.SeedGenerator(1337)
+
+    def call(self, inputs):
+        z_mean, z_log_var = inputs
+        batch = ops.shape(z_mean)[0]
+        dim = ops.shape(z_mean)[1]
+        epsilon = keras.random.normal(shape=(batch, dim), seed=self.seed_generator)
+        return z_mean + ops.exp(0.5 * z_log_var) * epsilon
+
+
+class VAE(keras.Model):
+    def __init__(self, encoder, decoder, scaled=False, **kwargs):
+        super().__init__(**kwargs)
+        self.encoder = encoder
+        self.decoder = decoder
+        self.scaled = scaled
+        self.total_loss_tracker = keras.metrics.Mean(name="total_loss")
+
+    @property
+    def metrics(self):
+        return [self.total_loss_tracker]
+
+    def train_step(self, data):
+        import tensorflow as tf
+
+        with tf.GradientTape() as tape:
+            z_mean, z_log_var, z = self.encoder(data)
+            reconstruction = self.decoder(z)
+            reconstruction_loss = ops.mean(
+                ops.sum(keras.losses.binary_crossentropy(data, reconstruction), axis=(1, 2))
+            )
+            kl_loss = -0.5 * (1 + z_log_var - ops.square(z_mean) - ops.exp(z_log_var))
+            kl_loss = ops.mean(ops.sum(kl_loss, axis=1))
+            total_loss = reconstruction_loss + kl_loss
+            scaled = self.optimizer.scale_loss(total_loss) if self.scaled else total_loss
+        grads = tape.gradient(scaled, self.trainable_weights)
+        self.optimizer.apply_gradients(zip(grads, self.trainable_weights))
+        self.total_loss_tracker.update_state(total_loss)
+        return {"loss": self.total_loss_tracker.result()}
+
+    def call(self, x):
+        z_mean, z_log_var, z = self.encoder(x)
+        return self.decoder(z)
+
+
+def vae(scaled=False, latent_dim=2):
+    keras.utils.set_random_seed(3)
+    encoder_inputs = keras.Input(shape=(8, 8, 1))
+    x = layers.Conv2D(8, 3, activation="relu", strides=2, padding="same")(encoder_inputs)
+    x = layers.Flatten()(x)
+    x = layers.Dense(16, activation="relu")(x)
+    z_mean = layers.Dense(latent_dim, name="z_mean")(x)
+    z_log_var = layers.Dense(latent_dim, name="z_log_var")(x)
+    z = Sampling(name="sampling")([z_mean, z_log_var])
+    encoder = keras.Model(encoder_inputs, [z_mean, z_log_var, z], name="encoder")
+    latent_inputs = keras.Input(shape=(latent_dim,))
+    x = layers.Dense(4 * 4 * 8, activation="relu")(latent_inputs)
+    x = layers.Reshape((4, 4, 8))(x)
+    x = layers.Conv2DTranspose(8, 3, activation="relu", strides=2, padding="same")(x)
+    outputs = layers.Conv2DTranspose(1, 3, activation="sigmoid", padding="same")(x)
+    decoder = keras.Model(latent_inputs, outputs, name="decoder")
+    return VAE(encoder, decoder, scaled=scaled)
+
+
+def weights_of(layer):
+    return [np.array(keras.ops.convert_to_numpy(v.value), dtype="float32") for v in layer.weights]
+
+
+def moved(before, after):
+    """How many of the weights changed at all."""
+    return sum(not np.array_equal(a, b) for a, b in zip(before, after))
