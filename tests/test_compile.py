@@ -120,7 +120,10 @@ def test_a_plain_compile_scales_the_loss_of_float16_layers_as_keras_does(kind):
     subclassed model's is float32, for float32 inputs and outputs, so Keras
     did not wrap: its float16 gradients went unscaled): a `compile` without
     `amp_level` wraps the optimizer as under Keras's global mixed_float16,
-    for every kind of model; not in bfloat16, nor with `auto_scale_loss=False`."""
+    for every kind of model; not with `auto_scale_loss=False`. In bfloat16 it
+    is wrapped in a fixed scale of 1, which skips a non-finite step (Keras's
+    mixed_bfloat16 leaves the optimizer bare: a NaN batch poisons every
+    weight)."""
     keras.config.set_dtype_policy("mixed_float16")
     reference = _of_kind(kind)
     reference.compile(optimizer="adam", loss="sparse_categorical_crossentropy")
@@ -143,7 +146,9 @@ def test_a_plain_compile_scales_the_loss_of_float16_layers_as_keras_does(kind):
     assert not isinstance(unscaled.optimizer, keras.optimizers.LossScaleOptimizer)
     bfloat16 = keras_mp.apply_amp(_of_kind(kind), "O2", "bfloat16")
     bfloat16.compile(optimizer="adam", loss="mse")
-    assert not isinstance(bfloat16.optimizer, keras.optimizers.LossScaleOptimizer)
+    assert isinstance(bfloat16.optimizer, keras_mp.LossScaleOptimizer)
+    assert not bfloat16.optimizer.dynamic and bfloat16.optimizer.initial_scale == 1.0
+    assert bfloat16.optimizer.config.checks_finite
 
 
 def test_function_form():

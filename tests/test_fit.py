@@ -381,10 +381,12 @@ def _guide_train_step(scaled):
 @pytest.mark.parametrize("scaled", [False, True], ids=["unscaled", "scaled"])
 def test_a_custom_train_step_that_does_not_scale_its_loss_is_told(scaled):
     """Keras's guide to a custom `train_step` never scales the loss. Under a
-    LossScaleOptimizer its gradients are divided by a scale they were never
-    multiplied by, and the model hardly trains, silently (so under Keras's
-    own mixed_float16). keras_mp warns once, and with the line it names the
-    step trains as float32 does."""
+    LossScaleOptimizer its gradients were divided by a scale they were never
+    multiplied by, and the model hardly trained, silently (so under Keras's
+    own mixed_float16). Inside `fit` keras_mp knows, per step, whether the
+    loss reached `scale_loss`: if not, the gradients are applied as they are
+    (checked, unscaled by 1) and a warning names the line to add; with it,
+    the step is loss-scaled. Either way it trains as float32 does."""
     x, y = _data(with_nan=False)
 
     def fit(level):
@@ -403,7 +405,7 @@ def test_a_custom_train_step_that_does_not_scale_its_loss_is_told(scaled):
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
             model.fit(x, y, batch_size=BATCH, epochs=2, verbose=0)
-        told = [w for w in caught if "the loss was never scaled" in str(w.message)]
+        told = [w for w in caught if "loss was never scaled" in str(w.message)]
         moved = sum(np.abs(a - b).sum() for a, b in zip(model.get_weights(), before))
         return told, moved, model.get_weights()
 
@@ -412,8 +414,8 @@ def test_a_custom_train_step_that_does_not_scale_its_loss_is_told(scaled):
     assert told_o0 == []
     if scaled:
         assert told == []
-        for got, want in zip(weights, reference):
-            np.testing.assert_allclose(got, want, atol=2e-2)
     else:
         assert len(told) == 1 and "self.optimizer.scale_loss(loss)" in str(told[0].message)
-        assert moved < 1e-3 * moved_o0  # what it warns of
+    assert moved > 0.5 * moved_o0
+    for got, want in zip(weights, reference):
+        np.testing.assert_allclose(got, want, atol=2e-2)

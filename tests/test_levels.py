@@ -81,11 +81,13 @@ def test_compile_sets_up_loss_scaling_as_the_table_says(level, half):
     wrapped = isinstance(model.optimizer, keras_mp.LossScaleOptimizer)
     scaled = wrapped and model.optimizer.dynamic
     assert scaled == (LOSS_SCALED[level] and half == "float16")
-    # O3's half variables have float32 master weights, in a wrapper with a
-    # fixed scale of 1 where the level scales no loss.
-    assert wrapped == (scaled or level == "O3")
+    # Every half level is wrapped: where it scales no loss, in a fixed
+    # scale of 1 that skips a non-finite step (and at O3 holds the float32
+    # master weights of the half variables).
+    assert wrapped == (level != "O0")
     if wrapped and not scaled:
         assert model.optimizer.initial_scale == 1.0 and model.optimizer.master_weights
+        assert model.optimizer.config.checks_finite
     assert model.get_compile_config()["amp_level"] == level
 
 
