@@ -311,7 +311,7 @@ def vae(scaled=False, latent_dim=2):
     encoder_inputs = keras.Input(shape=(8, 8, 1))
     x = layers.Conv2D(8, 3, activation="relu", strides=2, padding="same")(encoder_inputs)
     x = layers.Flatten()(x)
-    x = layers.Dense(16, activation="relu")(x)
+    x = layers.Dense(16, activation="relu", name="encoder_hidden")(x)
     z_mean = layers.Dense(latent_dim, name="z_mean")(x)
     z_log_var = layers.Dense(latent_dim, name="z_log_var")(x)
     z = Sampling(name="sampling")([z_mean, z_log_var])

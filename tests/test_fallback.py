@@ -1,0 +1,133 @@
+"""Layers of your own that cannot compute in half (`fallback.py`): keras-io's
+VAE samples `z_mean + exp(0.5 * z_log_var) * keras.random.normal(...)`, a
+float32 draw beside half inputs, which TensorFlow refuses (under Keras's
+own mixed policies too). Found at the first call, kept in float32, named
+once."""
+
+import warnings
+
+import keras
+import numpy as np
+import pytest
+
+import keras_mp
+from tests import keras_io
+
+BACKEND = keras.backend.backend()
+
+
+def _fit(model, x, y=None, epochs=2):
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        history = model.fit(x, y, epochs=epochs, batch_size=64, verbose=0)
+    return history.history["loss"], [str(w.message) for w in caught]
+
+
+def _row(model, name):
+    rows = keras_mp.precision_summary(model).rows
+    found = [r for r in rows if r["layer"].split("/")[-1] == name]
+    assert len(found) == 1, [r["layer"] for r in rows]
+    return found[0]
+
+
+@pytest.mark.skipif(BACKEND != "tensorflow", reason="keras-io's VAE steps with tf.GradientTape")
+@pytest.mark.parametrize(
+    "level, dtype", [("O2", "float16"), ("O2", "bfloat16"), ("O3", "bfloat16")]
+)
+def test_keras_io_vae_trains_as_written(level, dtype):
+    """Before: the first step died in Sampling's `Mul` (float16 x float32),
+    at O2 and O3, in float16 and bfloat16. The encoder's outputs (z_mean,
+    z_log_var and Sampling's z), which the VAE's own `train_step` computes
+    its losses from, are float32 now, as a model's outputs are."""
+    x, _ = keras_io.digits()
+    reference, _ = _fit(_compiled(keras_io.vae(), "O0", "float16"), x)
+    model = _compiled(keras_io.vae(scaled=True), level, dtype)
+    losses, told = _fit(model, x)
+    assert not [t for t in told if "keras_mp" in t], told
+    for name in ("z_mean", "z_log_var", "sampling"):
+        assert _row(model, name)["compute_dtype"] == "float32", name
+    assert _row(model, "encoder_hidden")["compute_dtype"] == dtype  # the encoder, in half
+    assert losses[-1] < losses[0]
+    np.testing.assert_allclose(losses, reference, rtol=0.1)  # a frozen VAE stays at 44
+
+
+def _compiled(model, level, dtype):
+    keras_mp.apply_amp(model, level, dtype)
+    model.compile(optimizer=keras.optimizers.Adam(1e-2))
+    return model
+
+
+def _sampling_classifier():
+    keras.utils.set_random_seed(4)
+    inputs = keras.Input((8, 8, 1))
+    hidden = keras.layers.Dense(16, activation="relu")(keras.layers.Flatten()(inputs))
+    z = keras_io.Sampling(name="sampling")(
+        [keras.layers.Dense(4)(hidden), keras.layers.Dense(4)(hidden)]
+    )
+    return keras.Model(inputs, keras.layers.Dense(10)(z))
+
+
+@pytest.mark.parametrize("level, dtype", [("O2", "float16"), ("O3", "bfloat16")])
+def test_a_sampling_layer_in_a_functional_model_trains_on_every_backend(level, dtype):
+    """The VAE's Sampling layer inside a model that Keras's own step trains:
+    on TensorFlow it falls back to float32 at its first call, named once,
+    with its reason in `precision_summary`. JAX and PyTorch promote float16
+    x float32 to float32 rather than refuse it: nothing falls back there,
+    and it trains all the same."""
+    x, y = keras_io.digits()
+    model = _sampling_classifier()
+    model.compile(
+        optimizer=keras.optimizers.Adam(1e-2),
+        loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+        amp_level=level,
+        amp_dtype=dtype,
+    )
+    losses, told = _fit(model, x, y, epochs=3)
+    assert np.all(np.isfinite(losses)) and losses[-1] < 0.9 * losses[0]
+    falls_back = BACKEND == "tensorflow"
+    named = [t for t in told if "'sampling' (Sampling) cannot compute in" in t]
+    assert len(named) == (1 if falls_back else 0), told
+    row = _row(model, "sampling")
+    assert (row["compute_dtype"] == "float32") == falls_back
+    if falls_back:
+        assert "deny=[Sampling]" in named[0] and "mixes" in row["rule"]
+
+
+class _NoHalfKernel(keras.layers.Layer):
+    """A layer whose own code refuses half inputs, and float32 ones too."""
+
+    def call(self, x):
+        raise TypeError(f"no float16 kernel here for {keras.backend.standardize_dtype(x.dtype)}")
+
+    def compute_output_shape(self, shape):
+        return shape
+
+
+class _Broken(keras.layers.Layer):
+    def call(self, x):
+        raise ValueError("a bug of its own")
+
+    def compute_output_shape(self, shape):
+        return shape
+
+
+def test_a_layer_that_fails_in_float32_too_is_named_with_the_fix():
+    model = keras.Sequential([keras.Input((4,)), _NoHalfKernel(name="nk"), keras.layers.Dense(4)])
+    keras_mp.apply_amp(model, "O3", "bfloat16")
+    with pytest.raises(TypeError, match=r"layer 'nk' \(_NoHalfKernel\).*deny=\[_NoHalfKernel\]"):
+        model(np.ones((2, 4), "float32"))
+
+
+def test_other_errors_pass_through_untouched():
+    model = keras.Sequential([keras.Input((4,)), _Broken(name="b"), keras.layers.Dense(4)])
+    keras_mp.apply_amp(model, "O2", "bfloat16")
+    with pytest.raises(ValueError, match="a bug of its own") as raised:
+        model(np.ones((2, 4), "float32"))
+    assert "keras_mp" not in str(raised.value)
+
+
+def test_deny_keeps_such_a_layer_float32_from_the_start():
+    model = _sampling_classifier()
+    keras_mp.apply_amp(model, "O2", "bfloat16", deny=[keras_io.Sampling])
+    row = _row(model, "sampling")
+    assert row["compute_dtype"] == "float32" and "deny=" in row["rule"]
