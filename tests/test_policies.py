@@ -244,6 +244,34 @@ def test_allow_and_deny_extend_the_lists():
     assert _policies(model)["relu"] == "mixed_float16"
 
 
+@pytest.mark.parametrize("level", ["O1", "O2", "O3"])
+@pytest.mark.parametrize("entry", [keras.layers.Dense, "hidden"], ids=["class", "name"])
+def test_deny_wins_at_every_level(level, entry):
+    """At O1 a Dense named in `deny=` computed in half all the same (Dense is
+    on the allow-list), and at O3 `deny=` was not looked at."""
+    model = _cnn()
+    keras_mp.apply_amp(model, level, deny=[entry])
+    hidden = model.get_layer("hidden")
+    assert hidden.dtype_policy.name == "float32"
+    assert {v.dtype for v in hidden.weights} == {"float32"}
+    rule = {r["layer"].split("/")[-1]: r["rule"] for r in keras_mp.precision_summary(model).rows}
+    assert rule["hidden"].startswith(f"{level}: deny=")
+    assert model.get_layer("conv").compute_dtype == "float16"  # the others as the level says
+
+
+@pytest.mark.skipif(keras.backend.backend() != "torch", reason="PyTorch's parameter registry")
+def test_o3_registers_the_converted_weights_with_pytorch():
+    """O3 gives a built layer new (half) torch parameters. A Sequential keeps
+    its parameters in a module of its own too; left stale there,
+    `model.zero_grad()` (Keras's PyTorch step, the guides' GAN) cleared the
+    old ones, and the new ones' gradients added up from step to step."""
+    model = _cnn()
+    keras_mp.apply_amp(model, "O3", "bfloat16")
+    parameters = {id(p) for p in model.parameters()}
+    assert all(id(v.value) in parameters for v in model.trainable_weights)
+    assert len(parameters) == len(model.weights)
+
+
 def test_to_float_sets_a_layer_and_its_sublayers():
     model = _attention_model()
     keras_mp.to_float(model.get_layer("mha"), "bfloat16")
