@@ -77,7 +77,25 @@ def test_lenet5_runs_each_scale_setting_on_real_data(capsys):
     assert "digits upscaled to 32x32" in out
 
 
-@pytest.mark.parametrize("name", ["train_mixed_precision.py", "lenet5_amp.py"])
+def test_gan_trains_both_networks_with_two_optimizers_at_o2_and_o3(capsys):
+    """examples/gan.py: a GAN's own compile and train_step (a jitted loop on
+    JAX), at O2 float16 and O3 bfloat16: both networks move, each optimizer
+    has its own scale, nothing is skipped on clean data."""
+    out = _main("gan.py", capsys, "--epochs", "1", "--steps", "6")
+    blocks = re.split(r"^== ", out, flags=re.M)[1:]
+    assert [b.split("\n", 1)[0] for b in blocks] == ["O2 float16", "O3 bfloat16"], out
+    for block, scale in zip(blocks, ("32768", "1")):
+        for name in ("d_optimizer", "g_optimizer"):
+            assert f"{name}: loss scale {scale}, 0 skipped steps" in block, block
+        moved = re.search(r"discriminator ([\d.e+-]+), generator ([\d.e+-]+)", block)
+        assert moved and float(moved.group(1)) > 1e-3 and float(moved.group(2)) > 1e-3, block
+        losses = re.search(r"d_loss ([\d.]+)  g_loss ([\d.]+)", block)
+        assert losses and all(0 < float(v) < 5 for v in losses.groups()), block
+        if BACKEND != "jax":  # fit wrapped them, and said so
+            assert "keras_mp: wrapped `d_optimizer` (Adam" in block, block
+
+
+@pytest.mark.parametrize("name", ["train_mixed_precision.py", "lenet5_amp.py", "gan.py"])
 def test_help_describes_every_option_before_keras_loads(name):
     code = (
         "import runpy, sys\n"

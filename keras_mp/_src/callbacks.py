@@ -222,7 +222,9 @@ class EpochTelemetry(keras.callbacks.Callback):
 
         if logs is None:
             return
-        for label, optimizer in loss_scale_optimizers(self.model):
+        optimizers = loss_scale_optimizers(self.model)
+        applied = [(label, o) for label, o in optimizers if o._applies]
+        for label, optimizer in applied or optimizers:
             scale_key, skipped_key = telemetry_keys(label)
             if scale_key not in logs:
                 logs[scale_key] = float(_value(optimizer.loss_scale))

@@ -176,6 +176,9 @@ class LossScaleOptimizer(_KerasLossScaleOptimizer):
         # The model attribute that holds this optimizer (`d_optimizer`), for
         # messages and logs; set where keras_mp finds it (`wrapping.py`).
         self._keras_mp_label = "optimizer"
+        # How many times `apply`/`stateless_apply` ran in Python (traced or
+        # run): which optimizers a step of the model's own uses (the logs).
+        self._applies = 0
         # JAX: whether the last `scale_loss` read the step's own scale (in a
         # StatelessScope) rather than the variable's value at trace time.
         self._scale_is_the_steps = True
@@ -267,6 +270,7 @@ class LossScaleOptimizer(_KerasLossScaleOptimizer):
             trainable_variables: list of variables; optional once built.
         """
         grads = list(grads)
+        self._applies += 1
         if not self.built:
             if trainable_variables is None:
                 raise ValueError(
@@ -350,6 +354,7 @@ class LossScaleOptimizer(_KerasLossScaleOptimizer):
         the step is compiled with `jax.jit` at the first call.
         """
         backends.current.check_stateless()
+        self._applies += 1
         if not self.built:
             raise ValueError(
                 f"To call `stateless_apply`, {self.__class__.__name__} "

@@ -897,12 +897,17 @@ def _optimizer_rows(model):
     if not isinstance(model, keras.Model):
         return []
     rows = []
+    half = any(
+        keras.backend.standardize_dtype(layer.dtype_policy.variable_dtype)
+        in ("float16", "bfloat16")
+        for layer in layers_in_order(model)
+    )
     for label, _, optimizer in wrapping.find_optimizers(model):
         if isinstance(optimizer, keras.optimizers.LossScaleOptimizer) and hasattr(
             optimizer, "config"
         ):
             inner = type(optimizer.inner_optimizer).__name__
-            settings = wrapping.describe(optimizer)
+            settings = wrapping.describe(optimizer, half)
             name = f"LossScaleOptimizer({inner})"
         else:
             name = type(optimizer).__name__

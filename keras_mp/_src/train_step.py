@@ -181,15 +181,27 @@ class _StepFlags:
     the loss reached its `scale_loss` (`LossScaleOptimizer._scaled_this_step`)."""
 
     def __init__(self, optimizers):
-        self.optimizers = [o for _, o in optimizers]
+        self.optimizers = optimizers
+        self._applies = [o._applies for _, o in optimizers]
 
     def __enter__(self):
-        for optimizer in self.optimizers:
+        for _, optimizer in self.optimizers:
             optimizer._scaled_this_step = False
+        return self
 
     def __exit__(self, *exc):
-        for optimizer in self.optimizers:
+        for _, optimizer in self.optimizers:
             optimizer._scaled_this_step = None
+
+    def applied(self):
+        """The `(label, optimizer)`s the step applied (a GAN's `compile`
+        leaves `optimizer` unused), or all of them if it applied none."""
+        used = [
+            pair
+            for pair, before in zip(self.optimizers, self._applies)
+            if pair[1]._applies != before
+        ]
+        return used or self.optimizers
 
 
 def _bad_metrics(skipped, metrics):
@@ -209,7 +221,7 @@ def _stateful_train_step(original, model, optimizers, guard):
             state = [(v, ops.copy(v.value)) for v in model.non_trainable_variables]
             metrics = [(v, ops.copy(v.value)) for v in model.metrics_variables]
             skipped_before = [ops.copy(o.skipped_steps.value) for _, o in optimizers]
-        with _StepFlags(optimizers):
+        with _StepFlags(optimizers) as flags:
             logs = original(data)
         if guard:
             # Any optimizer's skip: a NaN batch skips them all.
@@ -231,7 +243,7 @@ def _stateful_train_step(original, model, optimizers, guard):
                     backends.current.log_value(o.loss_scale),
                     backends.current.log_value(o.skipped_steps),
                 )
-                for label, o in optimizers
+                for label, o in flags.applied()
             },
         )
 

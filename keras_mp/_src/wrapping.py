@@ -205,6 +205,10 @@ def wrap_model_optimizers(model):
     loss_scale = needs(model)
     if loss_scale is None:
         return []
+    half = any(
+        keras.backend.standardize_dtype(layer.dtype_policy.variable_dtype) in HALF_DTYPES
+        for layer in layers_in_order(model)
+    )
     wrapped = []
     for label, setter, optimizer in find_optimizers(model):
         if isinstance(optimizer, LossScaleOptimizer):
@@ -224,7 +228,7 @@ def wrap_model_optimizers(model):
         clip_in_float32(wrapper.inner_optimizer)
         wrapper._keras_mp_label = label
         setter(wrapper)
-        wrapped.append((label, f"{type(optimizer).__name__}, {describe(wrapper)}"))
+        wrapped.append((label, f"{type(optimizer).__name__}, {describe(wrapper, half)}"))
     if wrapped:
         object.__setattr__(model, _WRAPPED, list(getattr(model, _WRAPPED, [])) + wrapped)
         io_utils.print_msg(
@@ -235,8 +239,9 @@ def wrap_model_optimizers(model):
     return [label for label, _ in wrapped]
 
 
-def describe(optimizer):
-    """A LossScaleOptimizer's settings in words: its scale, skip and copies."""
+def describe(optimizer, half_variables=True):
+    """A LossScaleOptimizer's settings in words: its scale, skip and copies
+    (the copies where the model has half variables)."""
     if optimizer.dynamic:
         scale = "dynamic loss scale"
     elif optimizer.initial_scale == 1.0:
@@ -246,9 +251,9 @@ def describe(optimizer):
     parts = [scale]
     if optimizer.config.checks_finite:
         parts.append("non-finite steps skipped")
-    if optimizer.master_weights is True:
+    if half_variables and optimizer.master_weights is True:
         parts.append("float32 master weights for half variables")
-    elif optimizer.master_weights:
+    elif half_variables and optimizer.master_weights:
         parts.append("compensated bfloat16 updates")
     return ", ".join(parts)
 
