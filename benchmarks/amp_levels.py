@@ -8,6 +8,8 @@ configurations round by round, median over rounds: steps/s of
   model (with Keras's LossScaleOptimizer for float16),
 - O2 float16 without keras_mp's BatchNorm guard (the same policies and
   optimizer, compiled plainly): the guard's cost per step,
+- O2 bfloat16 unchecked (`loss_scale=None`): the cost of checking each
+  bfloat16 step and skipping a non-finite one (the default),
 
 on an MLP, a small CNN with BatchNorm and a transformer block (the
 default: sized for a CPU), or on the same shapes made large enough that a
@@ -44,6 +46,7 @@ CONFIGS = (
     "keras mixed_float16",
     "keras mixed_bfloat16",
     "O2 float16 no guard",
+    "O2 bfloat16 unchecked",
 )
 
 
@@ -110,6 +113,11 @@ def _compiled(keras, keras_mp, model_name, config, jit_compile="auto"):
     elif config.endswith("no guard"):
         keras_mp.apply_amp(model, "O2", "float16")
         compile(model, optimizer=keras_mp.LossScaleOptimizer(optimizer), loss=loss)
+    elif config.endswith("unchecked"):
+        level, dtype, _ = config.split()
+        compile(
+            model, optimizer=optimizer, loss=loss, amp_level=level, amp_dtype=dtype, loss_scale=None
+        )
     else:
         level, dtype = config.split()
         compile(model, optimizer=optimizer, loss=loss, amp_level=level, amp_dtype=dtype)
@@ -169,7 +177,8 @@ def run_one_backend(rounds, batch, model_names, configs=CONFIGS, jit_compile="au
             f"# {keras.backend.backend()} {model_name}: O2/Keras mixed step time "
             f"float16 {ratio('O2 float16', 'keras mixed_float16')}, "
             f"bfloat16 {ratio('O2 bfloat16', 'keras mixed_bfloat16')}; "
-            f"BatchNorm guard {ratio('O2 float16', 'O2 float16 no guard')}",
+            f"BatchNorm guard {ratio('O2 float16', 'O2 float16 no guard')}; "
+            f"bfloat16 check {ratio('O2 bfloat16', 'O2 bfloat16 unchecked')}",
             flush=True,
         )
     return rows
