@@ -414,11 +414,12 @@ def _aggregate_additional_loss_in_floatx(self, loss):
 
 
 def _with_optimizers_prepared(method):
-    """`fit` / `train_on_batch` of a model whose precision keras_mp set: first,
-    every bare optimizer it holds is wrapped as its precision needs
-    (`wrapping.wrap_model_optimizers`): a `compile` of the model's own may
-    keep them in attributes of its own (a GAN's `d_optimizer`). Other
-    models get Keras's own, untouched."""
+    """`fit` / `train_on_batch` / `load_weights` of a model whose precision
+    keras_mp set: first, every bare optimizer it holds is wrapped as its
+    precision needs (`wrapping.wrap_model_optimizers`): a `compile` of the
+    model's own may keep them in attributes of its own (a GAN's
+    `d_optimizer`); weights saved after training load into the wrappers they
+    were saved from. Other models get Keras's own, untouched."""
 
     @functools.wraps(method)
     def prepared(self, *args, **kwargs):
@@ -435,7 +436,7 @@ def _with_optimizers_prepared(method):
 
 
 def _install_preparation():
-    for name in ("fit", "train_on_batch"):
+    for name in ("fit", "train_on_batch", "load_weights"):
         owner = next(c for c in keras.Model.__mro__ if name in c.__dict__)
         if not getattr(owner.__dict__[name], "_keras_mp_prepared", False):
             setattr(owner, name, _with_optimizers_prepared(owner.__dict__[name]))

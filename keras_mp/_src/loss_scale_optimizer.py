@@ -5,6 +5,7 @@ import functools
 import warnings
 
 import keras
+import numpy as np
 from keras import ops
 from keras.src.utils import tracking
 
@@ -24,6 +25,21 @@ from keras_mp._src.master_weights import MasterWeights
 from keras_mp._src.master_weights import check_master_weights
 
 _KerasLossScaleOptimizer = keras.optimizers.LossScaleOptimizer
+
+
+def _defer_inner_loading(inner_optimizer):
+    """The inner optimizer's variables are among the wrapper's, saved and
+    loaded with them (`load_own_variables`); saved again on their own, they
+    are left to the wrapper where the inner optimizer is not built yet,
+    rather than skipped with Keras's warning."""
+    load = inner_optimizer.load_own_variables
+
+    def load_unless_deferred(store):
+        if not inner_optimizer.built and len(store.keys()) > len(inner_optimizer.variables):
+            return
+        load(store)
+
+    object.__setattr__(inner_optimizer, "load_own_variables", load_unless_deferred)
 
 
 @keras.saving.register_keras_serializable(package="keras_mp")
@@ -156,6 +172,7 @@ class LossScaleOptimizer(_KerasLossScaleOptimizer):
         # One wrapper per inner optimizer, as in tf.keras 2: two would both
         # step it, each with its own scale.
         mark_wrapped(inner_optimizer, self)
+        _defer_inner_loading(inner_optimizer)
         # The loss is scaled here; scaling it in the inner optimizer as well
         # would scale it twice.
         self.inner_optimizer.loss_scale_factor = None
@@ -249,6 +266,33 @@ class LossScaleOptimizer(_KerasLossScaleOptimizer):
         # The base optimizer's build (not the Keras built-in's, which would
         # create a second set of state variables).
         super(_KerasLossScaleOptimizer, self).build(var_list)
+        deferred = self.__dict__.pop("_keras_mp_deferred_values", None)
+        if deferred is not None:
+            with backends.current.outside_the_step():
+                super().load_own_variables({str(i): v for i, v in enumerate(deferred)})
+
+    def load_own_variables(self, store):
+        """Loads the saved state; before the optimizer is built, at its build.
+
+        An optimizer is built at its first step: a GAN's `d_optimizer`, or
+        any optimizer whose weights `load_weights` loads before the model
+        trains again. Keras skips those ("the optimizer has not been
+        called/built yet") and the run resumes from a fresh state (the loss
+        scale back at 2**15, Adam's moments at zero). Here the saved values
+        are kept and given to the variables when the optimizer is built, as
+        `tf.train.Checkpoint` restores what it cannot yet place.
+        """
+        if not self.built and len(store.keys()) > len(self.variables):
+            values = [np.asarray(store[str(i)]) for i in range(len(store.keys()))]
+            object.__setattr__(self, "_keras_mp_deferred_values", values)
+            # Its own first variables (iterations, the learning rate, the
+            # loss scale and counters) exist already and come first in the
+            # saved list too: now, so that the first step scales its loss
+            # by the saved scale, before `apply` builds the rest.
+            for variable, value in zip(self._variables, values):
+                variable.assign(value)
+            return
+        super().load_own_variables(store)
 
     def _state_variables(self):
         return self._variables[self._state_start : self._state_start + 3]

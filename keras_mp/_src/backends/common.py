@@ -6,6 +6,7 @@ portable `keras.ops` meaning; none brings a value to the host unless its
 docstring says so.
 """
 
+import contextlib
 import os
 
 import keras
@@ -267,6 +268,12 @@ def log_value(variable):
 
 def check_compile(model):
     """Refuses, at `compile`, what this backend's step cannot run under."""
+
+
+def outside_the_step():
+    """A context in which assignments run now, once, even where the step
+    being traced builds the optimizer (TensorFlow's `tf.init_scope`)."""
+    return contextlib.nullcontext()
 
 
 # -- the doctor and the device --------------------------------------------------

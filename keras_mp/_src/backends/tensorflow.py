@@ -280,6 +280,12 @@ def check_strategy(strategy):
         )
 
 
+def outside_the_step():
+    import tensorflow as tf
+
+    return tf.init_scope()
+
+
 def check_compile(model):
     """At `compile`: the strategy, and XLA across replicas."""
     strategy = getattr(model, "_distribute_strategy", None)
