@@ -164,6 +164,8 @@ class Step(NamedTuple):
         loss_unscaled: the gradients are of a loss that never reached
             `scale_loss` in this step (a `train_step` of the user's own,
             inside `fit`): they are checked, and unscaled by 1.
+        unit_scale: the scale is a fixed 1 (bfloat16's check, O3's master
+            weights): nothing to unscale, only float32 to cast to.
     """
 
     config: LossScaleConfig
@@ -178,6 +180,7 @@ class Step(NamedTuple):
     state_index: int = 0
     own_count: int = 0
     loss_unscaled: bool = False
+    unit_scale: bool = False
 
 
 # -- the arguments, checked ----------------------------------------------------

@@ -354,6 +354,7 @@ class LossScaleOptimizer(_KerasLossScaleOptimizer):
             state_index=self._state_start,
             own_count=len(self._variables),
             loss_unscaled=self._scaled_this_step is False,
+            unit_scale=not self._config.dynamic and self.initial_scale == 1.0,
         )
 
     def _apply_inner(self, grads, trainable_variables):

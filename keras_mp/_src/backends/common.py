@@ -121,7 +121,8 @@ def unscale(grads, scale, skip=(), keep_dtype=False, with_values=None):
 
     Args:
         grads: list of gradients (`None` entries pass through).
-        scale: float32 scalar tensor.
+        scale: float32 scalar tensor, or None for 1: the gradients are only
+            cast to float32 (no multiply per gradient).
         skip: indices of gradients to pass through untouched (variables with
             `overwrite_with_gradient`, whose "gradient" is a value).
         keep_dtype: whether to cast the results back to each gradient's dtype.
@@ -133,7 +134,7 @@ def unscale(grads, scale, skip=(), keep_dtype=False, with_values=None):
         flushed to zero by the unscaling; the inner optimizer casts them to
         its variables' dtype.
     """
-    inverse = ops.divide(ops.convert_to_tensor(1.0, "float32"), scale)
+    inverse = None if scale is None else ops.divide(ops.convert_to_tensor(1.0, "float32"), scale)
     out = []
     for i, g in enumerate(grads):
         if g is None or i in skip:
@@ -150,9 +151,10 @@ def unscale(grads, scale, skip=(), keep_dtype=False, with_values=None):
 
 
 def scale_of_grads(step, scale):
-    """What the step's gradients were multiplied by: the loss scale, or 1
-    where the loss never reached `scale_loss` (`Step.loss_unscaled`)."""
-    return ops.ones_like(scale) if step.loss_unscaled else scale
+    """What the step's gradients were multiplied by: the loss scale, or None
+    (1, nothing to unscale) where the loss never reached `scale_loss`
+    (`Step.loss_unscaled`) or the scale is a fixed 1 (`Step.unit_scale`)."""
+    return None if step.loss_unscaled or step.unit_scale else scale
 
 
 def _no_indexed_slices(indexed_slices, values):
@@ -161,6 +163,8 @@ def _no_indexed_slices(indexed_slices, values):
 
 def _multiply_float32(g, inverse, keep_dtype):
     dtype = keras.backend.standardize_dtype(g.dtype)
+    if inverse is None:
+        return g if keep_dtype or dtype == "float32" else ops.cast(g, "float32")
     if dtype == "float32":
         return ops.multiply(g, inverse)
     unscaled = ops.multiply(ops.cast(g, "float32"), inverse)

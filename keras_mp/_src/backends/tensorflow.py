@@ -170,7 +170,14 @@ def apply(step, grads, trainable_variables, unscaled_by_caller):
     def unscaled(grads, scale):
         if unscaled_by_caller:
             return grads
-        return unscale(grads, common.scale_of_grads(step, scale), skip=step.skip)
+        of_grads = common.scale_of_grads(step, scale)
+        if of_grads is None:
+            # A multiply by 1 all the same: the gradients must pass through
+            # an op inside the branch (a bare capture fails TensorFlow's
+            # gradient bookkeeping at O3), and under XLA on a CPU the
+            # barrier (`keep_conditional`) must feed it; x / x is 1.
+            of_grads = ops.divide(scale, scale)
+        return unscale(grads, of_grads, skip=step.skip)
 
     # Under XLA, gradients cast up from half precision enter the skip's
     # branches as the half tensors they were cast from.

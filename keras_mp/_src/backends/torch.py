@@ -59,7 +59,7 @@ def apply(step, grads, trainable_variables, unscaled_by_caller):
             finite = not step.config.checks_finite or bool(step.check_finite(grads))
         else:
             scale = step.variables[0].value
-            if step.loss_unscaled:
+            if step.loss_unscaled or step.unit_scale:
                 scale = torch.ones_like(scale)
             unscaled, found_inf = unscale_and_check(grads, scale, skip=step.skip)
             # The one host read, as GradScaler's.
