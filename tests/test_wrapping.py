@@ -274,3 +274,24 @@ def test_a_gan_resumes_exactly_from_its_saved_weights(tmp_path):
         np.testing.assert_array_equal(
             keras.ops.convert_to_numpy(a), keras.ops.convert_to_numpy(b), err_msg=a.path
         )
+
+
+@needs_stateful_fit
+def test_overflow_guard_watches_each_optimizer_and_names_the_one_that_stops():
+    """A discriminator whose every step overflows (a fixed scale of 2**100)
+    stops the run, though the model's own `optimizer` (which the GAN's
+    `compile` leaves unused) never skips."""
+    from keras_mp.callbacks import OverflowGuard
+
+    x, _ = keras_io.digits(256)
+    model = keras_io.gan(scaled=True)
+    keras_mp.apply_amp(model, "O2", "float16")
+    d_optimizer = keras_mp.LossScaleOptimizer(
+        keras.optimizers.Adam(3e-3), dynamic=False, initial_scale=2.0**100
+    )
+    keras_io.compile_gan(model, d_optimizer=d_optimizer)
+    guard = OverflowGuard(patience=3, verbose=0)
+    history, _ = _fit_quietly(model, x, epochs=1, batch_size=32, callbacks=[guard])
+    assert guard.stopped_step == 2, guard.message  # the third step, counted from 0
+    assert "`d_optimizer`: 3 steps in a row were skipped" in guard.message
+    assert history.history["g_optimizer_skipped_steps"] == [0]

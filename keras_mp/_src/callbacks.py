@@ -36,6 +36,9 @@ class OverflowGuard(keras.callbacks.Callback):
     logs one step late: the step before the current one has finished, so
     reading it never holds up the device. Training therefore stops one step
     after the step that triggered it (nothing is applied by skipped steps).
+    A model that trains with several optimizers (a GAN's `d_optimizer` and
+    `g_optimizer`) has each watched on its own; the message names the one
+    that stopped it.
 
     Args:
         patience: int >= 1, the number of consecutive skipped steps to allow.
@@ -70,41 +73,49 @@ class OverflowGuard(keras.callbacks.Callback):
         self.message = None
 
     def on_train_begin(self, logs=None):
-        from keras_mp._src.loss_scale_optimizer import LossScaleOptimizer
+        from keras_mp._src.wrapping import loss_scale_optimizers
 
-        optimizer = getattr(self.model, "optimizer", None)
-        if not isinstance(optimizer, LossScaleOptimizer):
+        optimizers = loss_scale_optimizers(self.model)
+        if not optimizers:
             raise TypeError(
                 "OverflowGuard watches a keras_mp.LossScaleOptimizer: compile "
                 "the model with one (or with `amp_level=`). Received: "
-                f"optimizer={optimizer!r}"
+                f"optimizer={getattr(self.model, 'optimizer', None)!r}"
             )
-        if not optimizer._config.checks_finite:
+        checked = [(label, o) for label, o in optimizers if o._config.checks_finite]
+        if not checked:
             raise ValueError(
                 "OverflowGuard needs an optimizer that skips overflowing steps; "
                 "this one applies every step unchecked (dynamic=False, "
                 "skip_on_overflow=False). Received: "
-                f"skip_on_overflow={optimizer.skip_on_overflow!r}"
+                f"skip_on_overflow={optimizers[0][1].skip_on_overflow!r}"
             )
-        self._optimizer = optimizer
-        self._last_skipped = _value(optimizer.skipped_steps)
-        self._last_scale = float(_value(optimizer.loss_scale))
-        self._streak = 0
+        # Every optimizer the model trains with (a GAN's two), each watched
+        # on its own: its streak of skipped steps, its scale.
+        self._watches = [_Watch(label, o) for label, o in checked]
+        self._optimizer = self._watches[0].optimizer
         self._step = 0
         self._pending = []
         self.stopped_step = None
         self.message = None
 
     def on_train_batch_end(self, batch, logs=None):
+        from keras_mp._src.train_step import telemetry_keys
+
         logs = logs or {}
-        if "skipped_steps" in logs and "loss_scale" in logs:
-            values = (logs["skipped_steps"], logs["loss_scale"])
-        else:  # A custom train_step without keras_mp's logs: the variables.
-            values = (
-                keras.ops.copy(self._optimizer.skipped_steps.value),
-                keras.ops.copy(self._optimizer.loss_scale.value),
-            )
-        self._pending.append((self._step,) + values)
+        values = []
+        for watch in self._watches:
+            skipped_key, scale_key = telemetry_keys(watch.label)[::-1]
+            if skipped_key in logs and scale_key in logs:
+                values.append((logs[skipped_key], logs[scale_key]))
+            else:  # A step without keras_mp's logs for it: the variables.
+                values.append(
+                    (
+                        keras.ops.copy(watch.optimizer.skipped_steps.value),
+                        keras.ops.copy(watch.optimizer.loss_scale.value),
+                    )
+                )
+        self._pending.append((self._step, values))
         self._step += 1
         while len(self._pending) > 1:
             self._check(*self._pending.pop(0))
@@ -119,44 +130,65 @@ class OverflowGuard(keras.callbacks.Callback):
         while getattr(self, "_pending", None):
             self._check(*self._pending.pop(0))
 
-    def _check(self, step, skipped_steps, loss_scale):
-        if self.stopped_step is not None:
-            return
-        skipped_steps = int(_value(skipped_steps))
-        loss_scale = float(_value(loss_scale))
-        new_skips = skipped_steps - self._last_skipped
-        scale_before, self._last_scale = self._last_scale, loss_scale
-        self._last_skipped = skipped_steps
-        self._streak = self._streak + new_skips if new_skips > 0 else 0
-        optimizer = self._optimizer
+    def _check(self, step, values):
+        for watch, (skipped_steps, loss_scale) in zip(self._watches, values):
+            if self.stopped_step is not None:
+                return
+            what = watch.update(
+                int(_value(skipped_steps)),
+                float(_value(loss_scale)),
+                self.patience,
+                self.stop_at_min_scale,
+            )
+            if what is None:
+                continue
+            whose = "" if watch.label == "optimizer" else f"`{watch.label}`: "
+            self.message = (
+                f"OverflowGuard stopped training at step {step}: {whose}{what}; "
+                f"{watch.last_skipped} steps skipped in all. {_HINTS}"
+            )
+            self.stopped_step = step
+            self.model.stop_training = True
+            if self.verbose:
+                keras.src.utils.io_utils.print_msg(self.message)
+
+
+class _Watch:
+    """One optimizer's skipped steps in a row, and its scale, for OverflowGuard."""
+
+    def __init__(self, label, optimizer):
+        self.label = label
+        self.optimizer = optimizer
+        self.last_skipped = _value(optimizer.skipped_steps)
+        self.last_scale = float(_value(optimizer.loss_scale))
+        self.streak = 0
+
+    def update(self, skipped_steps, loss_scale, patience, stop_at_min_scale):
+        """Takes a step's values; returns why to stop, or None."""
+        new_skips = skipped_steps - self.last_skipped
+        scale_before, self.last_scale = self.last_scale, loss_scale
+        self.last_skipped = skipped_steps
+        self.streak = self.streak + new_skips if new_skips > 0 else 0
+        optimizer = self.optimizer
         pinned = (
-            self.stop_at_min_scale
+            stop_at_min_scale
             and optimizer.dynamic
             and new_skips > 0
             and scale_before <= optimizer.min_scale
         )
-        if self._streak < self.patience and not pinned:
-            return
+        if self.streak < patience and not pinned:
+            return None
         if pinned:
-            what = (
+            return (
                 f"the loss scale is pinned at min_scale={optimizer.min_scale:g} "
-                f"and steps still overflow ({self._streak} skipped in a row)"
+                f"and steps still overflow ({self.streak} skipped in a row)"
             )
-        else:
-            what = (
-                f"{self._streak} steps in a row were skipped because their "
-                f"gradients were not finite (patience={self.patience}); the "
-                f"loss scale is {loss_scale:g}"
-                + (f" (min_scale={optimizer.min_scale:g})" if optimizer.dynamic else " (fixed)")
-            )
-        self.message = (
-            f"OverflowGuard stopped training at step {step}: {what}; "
-            f"{skipped_steps} steps skipped in all. {_HINTS}"
+        return (
+            f"{self.streak} steps in a row were skipped because their "
+            f"gradients were not finite (patience={patience}); the "
+            f"loss scale is {loss_scale:g}"
+            + (f" (min_scale={optimizer.min_scale:g})" if optimizer.dynamic else " (fixed)")
         )
-        self.stopped_step = step
-        self.model.stop_training = True
-        if self.verbose:
-            keras.src.utils.io_utils.print_msg(self.message)
 
 
 class _Whole(float):
