@@ -131,3 +131,86 @@ def test_deny_keeps_such_a_layer_float32_from_the_start():
     keras_mp.apply_amp(model, "O2", "bfloat16", deny=[keras_io.Sampling])
     row = _row(model, "sampling")
     assert row["compute_dtype"] == "float32" and "deny=" in row["rule"]
+
+
+class _NoHalfGradient(keras.layers.Dense):
+    """A Dense whose backward has no half kernel here, as PyTorch's CPU
+    convolution backward has been for float16 (`slow_conv2d: grad_weight
+    must be contiguous`): its forward works, its backward raises."""
+
+    def call(self, x):
+        import torch
+
+        class Backward(torch.autograd.Function):
+            @staticmethod
+            def forward(ctx, y):
+                ctx.half = y.dtype in (torch.float16, torch.bfloat16)
+                return y.clone()
+
+            @staticmethod
+            def backward(ctx, grad):
+                if ctx.half:
+                    raise RuntimeError("slow_conv2d: grad_weight must be contiguous")
+                return grad
+
+        return Backward.apply(super().call(x))
+
+
+@pytest.mark.skipif(BACKEND != "torch", reason="PyTorch's eager step can be run again")
+@pytest.mark.parametrize("level, dtype", [("O2", "float16"), ("O3", "bfloat16")])
+def test_a_layer_without_a_half_gradient_kernel_falls_back_at_the_first_step(level, dtype):
+    """The failure comes in `backward()`, after every call returned, naming no
+    layer: the layers that fail alone in half are found, kept in float32,
+    named once, and the step runs again; training goes on as in float32."""
+    x, y = keras_io.digits()
+
+    def model():
+        keras.utils.set_random_seed(5)
+        return keras.Sequential(
+            [
+                keras.Input((8, 8, 1)),
+                keras.layers.Flatten(),
+                _NoHalfGradient(16, activation="relu", name="no_half_grad"),
+                keras.layers.Dense(10),
+            ]
+        )
+
+    reference = model()
+    reference.compile(
+        optimizer=keras.optimizers.Adam(1e-2),
+        loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+    )
+    want, _ = _fit(reference, x, y)
+    half = model()
+    half.compile(
+        optimizer=keras.optimizers.Adam(1e-2),
+        loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+        amp_level=level,
+        amp_dtype=dtype,
+    )
+    losses, told = _fit(half, x, y)
+    named = [t for t in told if "'no_half_grad' (_NoHalfGradient) fails in" in t]
+    assert len(named) == 1 and "deny=[_NoHalfGradient]" in named[0], told
+    row = _row(half, "no_half_grad")
+    assert row["compute_dtype"] == "float32" and "grad_weight must be contiguous" in row["rule"]
+    np.testing.assert_allclose(losses, want, rtol=0.05)
+    assert losses[-1] < losses[0]
+
+
+@pytest.mark.skipif(BACKEND != "torch", reason="PyTorch's eager step can be run again")
+def test_a_step_that_fails_for_another_reason_keeps_its_own_error():
+    class Broken(keras.Model):
+        def __init__(self):
+            super().__init__()
+            self.dense = keras.layers.Dense(2)
+
+        def call(self, x):
+            return self.dense(x)
+
+        def train_step(self, data):
+            raise ValueError("a bug of the step's own")
+
+    model = Broken()
+    model.compile(optimizer="sgd", loss="mse", amp_level="O2")
+    with pytest.raises(ValueError, match="a bug of the step's own"):
+        model.fit(np.ones((4, 3), "float32"), np.ones((4, 2), "float32"), verbose=0)

@@ -18,6 +18,17 @@ reason is in `precision_summary`, and a warning names it once. When it fails
 too, the error names the layer and the fix (`deny=[TheLayer]`), raised from
 the backend's. The retry happens while the step is traced (TensorFlow, JAX)
 or run (PyTorch): the failed ops of the first try are never run.
+
+A backend may also lack a half *gradient* kernel on a device (PyTorch's CPU
+backward of a float16 convolution has failed so): the failure comes in
+`backward()`, after every layer's call has returned, and its message names
+no layer. On PyTorch, whose step runs eagerly, a failed step of a model
+that computes in half is answered by a probe (`find_layers_failing_in_half`):
+each half layer with weights, built on one input, runs forward and backward
+alone on a small random batch in its dtype; those that fail compute in
+float32 from then on (as above: named once, in `precision_summary`) and the
+step runs again. When none fails alone, the error says so, and names the
+fix.
 """
 
 import functools
@@ -95,10 +106,80 @@ def _cast(x, dtype):
     return keras.ops.cast(x, dtype)
 
 
-def _first_line(error):
+def first_line(error):
     lines = [line.strip() for line in str(error).splitlines() if line.strip()]
     text = " ".join(lines[:2])
     return text if len(text) <= 200 else text[:197] + "..."
+
+
+def find_layers_failing_in_half(model):
+    """The layers of `model` that fail forward and backward alone in half.
+
+    Each leaf layer that computes in half, has trainable weights and was
+    built on one input runs on a random batch of 2 in its compute dtype;
+    the gradients are cleared after. `(layer, error)` for each that fails.
+    """
+    from keras_mp._src.policies import layers_in_order
+
+    failing = []
+    for layer in layers_in_order(model):
+        half = keras.backend.standardize_dtype(layer.compute_dtype)
+        shape = (getattr(layer, "_build_shapes_dict", None) or {}).get("input_shape")
+        if (
+            half not in HALF_DTYPES
+            or fell_back(layer) is not None
+            or not layer.trainable_weights
+            or any(True for _ in layer._flatten_layers(include_self=False, recursive=False))
+            or not isinstance(shape, (tuple, list))
+            or any(not isinstance(d, int) for d in shape[1:])
+        ):
+            continue
+        x = keras.ops.cast(keras.random.normal((2,) + tuple(shape[1:])), half)
+        try:
+            _forward_and_backward(layer, x)
+        except Exception as error:
+            failing.append((layer, error))
+        finally:
+            for variable in layer.trainable_weights:
+                variable.value.grad = None
+    return failing
+
+
+def _forward_and_backward(layer, x):
+    import torch
+
+    with torch.enable_grad():
+        outputs = layer(x)
+        total = sum(
+            keras.ops.sum(keras.ops.cast(y, "float32")) for y in keras.tree.flatten(outputs)
+        )
+        total.backward()
+
+
+def keep_in_float32(layer, reason):
+    """From now on `layer` computes in float32 (`_in_float32`), with `reason`."""
+    watch(layer)
+    object.__setattr__(layer, FELL_BACK, reason)
+    warnings.warn(
+        f"keras_mp: layer {layer.name!r} ({type(layer).__name__}) {reason}; it "
+        f"computes in float32 from now on (its inputs and outputs cast). To "
+        f"say so yourself: deny=[{type(layer).__name__}] in apply_amp "
+        f"(amp_deny=[{type(layer).__name__}] in compile).",
+        stacklevel=3,
+    )
+
+
+def note_no_layer_fails_alone(error):
+    """Adds to the error of a half step, which no layer's probe explains,
+    what was tried and the fix (the error itself is left as it is: it may
+    be a bug of the step's own)."""
+    if hasattr(error, "add_note"):  # Python 3.11
+        error.add_note(
+            "keras_mp: the model computes in half precision, and no layer of "
+            "it fails alone in half on this device. If the error is a layer's, "
+            "keep it in float32: deny=[TheLayer] in apply_amp (amp_deny=[...] "
+            "in compile), or try amp_level='O1'."
+        )
 
 
 def _fall_back(layer, half, error):
@@ -107,7 +188,7 @@ def _fall_back(layer, half, error):
     name = type(layer).__name__
     warnings.warn(
         f"keras_mp: layer {layer.name!r} ({name}) cannot compute in {half}: its "
-        f"own call mixes {half} with float32 ({_first_line(error)}). It computes "
+        f"own call mixes {half} with float32 ({first_line(error)}). It computes "
         f"in float32 from now on (its inputs and outputs cast). To say so "
         f"yourself: deny=[{name}] in apply_amp (amp_deny=[{name}] in compile).",
         stacklevel=4,
@@ -118,7 +199,7 @@ def _named(layer, half, error):
     name = type(layer).__name__
     return TypeError(
         f"keras_mp: layer {layer.name!r} ({name}) failed in {half}, and in "
-        f"float32 too: {_first_line(error)}. If it must compute in float32, "
+        f"float32 too: {first_line(error)}. If it must compute in float32, "
         f"keep it there with deny=[{name}] in apply_amp (amp_deny=[{name}] "
         f"in compile)."
     )

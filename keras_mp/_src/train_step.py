@@ -222,7 +222,17 @@ def _stateful_train_step(original, model, optimizers, guard):
             metrics = [(v, ops.copy(v.value)) for v in model.metrics_variables]
             skipped_before = [ops.copy(o.skipped_steps.value) for _, o in optimizers]
         with _StepFlags(optimizers) as flags:
-            logs = original(data)
+            try:
+                logs = original(data)
+            except Exception as error:
+                if not backends.current.EAGER_STEP:
+                    raise
+                # PyTorch: a layer without a half gradient kernel here.
+                _keep_failing_layers_in_float32(model, error)
+                if guard:  # the failed try updated the metrics already
+                    for variable, old in state + metrics:
+                        variable.assign(old)
+                logs = original(data)
         if guard:
             # Any optimizer's skip: a NaN batch skips them all.
             moved = [
@@ -248,6 +258,24 @@ def _stateful_train_step(original, model, optimizers, guard):
         )
 
     return train_step
+
+
+def _keep_failing_layers_in_float32(model, error):
+    """After a failed eager step: the layers that fail alone in half compute
+    in float32 (`fallback.find_layers_failing_in_half`); re-raises when none
+    does, saying so."""
+    from keras_mp._src import fallback
+
+    failing = fallback.find_layers_failing_in_half(model)
+    if not failing:
+        fallback.note_no_layer_fails_alone(error)
+        raise error
+    for layer, layer_error in failing:
+        half = keras.backend.standardize_dtype(layer.compute_dtype)
+        fallback.keep_in_float32(
+            layer,
+            f"fails in {half} on this device ({fallback.first_line(layer_error)}): float32",
+        )
 
 
 def _stateless_train_step(original, model, optimizers, guard):

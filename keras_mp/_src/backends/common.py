@@ -23,6 +23,9 @@ WIDE_FLOATS = ("float32", "float64")
 # `fit` and `stateless_apply` are functions of values (JAX) rather than of
 # variables updated in place (TensorFlow, PyTorch).
 STATELESS = False
+# Whether a train step runs eagerly, once per step (PyTorch): a failed step
+# can be run again after keeping the failing layers in float32.
+EAGER_STEP = False
 # `model.export(format="tf_saved_model")` works from this backend.
 EXPORTS_SAVED_MODEL = True
 

@@ -10,6 +10,7 @@ and the state is updated with in-place torch ops that mirror
 from keras_mp._src.backends.common import *  # noqa: F401,F403 (the portable hooks)
 
 EXPORTS_SAVED_MODEL = False
+EAGER_STEP = True
 
 
 def unscale_and_check(grads, scale, skip=()):
