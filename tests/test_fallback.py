@@ -32,7 +32,7 @@ def _row(model, name):
 
 @pytest.mark.skipif(BACKEND != "tensorflow", reason="keras-io's VAE steps with tf.GradientTape")
 @pytest.mark.parametrize(
-    "level, dtype", [("O2", "float16"), ("O2", "bfloat16"), ("O3", "bfloat16")]
+    "level, dtype", [("O1", "float16"), ("O2", "float16"), ("O2", "bfloat16"), ("O3", "bfloat16")]
 )
 def test_keras_io_vae_trains_as_written(level, dtype):
     """Before: the first step died in Sampling's `Mul` (float16 x float32),

@@ -35,7 +35,11 @@ def _fit_quietly(model, x, *args, **kwargs):
 
 @pytest.mark.parametrize(
     "level, dtype, dynamic, masters",
-    [("O2", "float16", True, False), ("O3", "bfloat16", False, True)],
+    [
+        ("O1", "float16", True, False),
+        ("O2", "float16", True, False),
+        ("O3", "bfloat16", False, True),
+    ],
 )
 def test_the_distiller_learns_after_apply_amp_with_its_own_compile(level, dtype, dynamic, masters):
     """keras-io's distiller, after `apply_amp` as README says for a compile
@@ -72,8 +76,18 @@ def test_the_distiller_learns_after_apply_amp_with_its_own_compile(level, dtype,
 @needs_stateful_fit
 @pytest.mark.parametrize(
     "level, dtype, scaled",
-    [("O2", "float16", True), ("O2", "float16", False), ("O3", "bfloat16", False)],
-    ids=["O2-float16-scale_loss", "O2-float16-as-written", "O3-bfloat16-as-written"],
+    [
+        ("O1", "float16", True),
+        ("O2", "float16", True),
+        ("O2", "float16", False),
+        ("O3", "bfloat16", False),
+    ],
+    ids=[
+        "O1-float16-scale_loss",
+        "O2-float16-scale_loss",
+        "O2-float16-as-written",
+        "O3-bfloat16-as-written",
+    ],
 )
 def test_the_dcgan_trains_both_networks_with_its_two_optimizers(level, dtype, scaled, capsys):
     """keras-io's DCGAN (Keras's guide's on PyTorch): `compile(d_optimizer,
