@@ -80,6 +80,9 @@ def test_dynamic_counter_is_the_good_steps_counter():
     for _ in range(3):
         optimizer.apply([keras.ops.ones(2)], [variable])
     assert int(_numpy(optimizer.dynamic_counter)) == 3
+    # A fixed scale has none, as in tf.keras 2.
+    fixed = keras_mp.LossScaleOptimizer(_sgd(), dynamic=False, initial_scale=8.0)
+    assert fixed.dynamic_counter is None
 
 
 def test_an_optimizer_is_wrapped_by_one_loss_scale_optimizer_only():

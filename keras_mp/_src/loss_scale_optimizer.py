@@ -238,7 +238,8 @@ class LossScaleOptimizer(_KerasLossScaleOptimizer):
     # Keras's built-in names for the state variables, and tf.keras 2's.
     dynamic_scale = property(lambda self: self.loss_scale)
     step_counter = property(lambda self: self.good_steps)
-    dynamic_counter = property(lambda self: self.good_steps)
+    # tf.keras 2: None for a fixed scale, which counts nothing towards growth.
+    dynamic_counter = property(lambda self: self.good_steps if self._config.dynamic else None)
 
     def __setattr__(self, name, value):
         # `lso.use_ema = True` would set the wrapper's own, unused copy.
