@@ -897,11 +897,7 @@ def _optimizer_rows(model):
     if not isinstance(model, keras.Model):
         return []
     rows = []
-    half = any(
-        keras.backend.standardize_dtype(layer.dtype_policy.variable_dtype)
-        in ("float16", "bfloat16")
-        for layer in layers_in_order(model)
-    )
+    half = wrapping.has_half_variables(model)
     for label, _, optimizer in wrapping.find_optimizers(model):
         if isinstance(optimizer, keras.optimizers.LossScaleOptimizer) and hasattr(
             optimizer, "config"

@@ -133,6 +133,14 @@ def needs(model):
     return 1.0
 
 
+def has_half_variables(model):
+    """Whether a layer of `model` keeps its variables in half (O3)."""
+    return any(
+        keras.backend.standardize_dtype(layer.dtype_policy.variable_dtype) in HALF_DTYPES
+        for layer in layers_in_order(model)
+    )
+
+
 def find_optimizers(model):
     """The optimizers `model` holds: `(label, setter, optimizer)` for each.
 
@@ -205,10 +213,7 @@ def wrap_model_optimizers(model):
     loss_scale = needs(model)
     if loss_scale is None:
         return []
-    half = any(
-        keras.backend.standardize_dtype(layer.dtype_policy.variable_dtype) in HALF_DTYPES
-        for layer in layers_in_order(model)
-    )
+    half = has_half_variables(model)
     wrapped = []
     for label, setter, optimizer in find_optimizers(model):
         if isinstance(optimizer, LossScaleOptimizer):
