@@ -235,6 +235,11 @@ class LossScaleOptimizer(_KerasLossScaleOptimizer):
     max_scale = property(lambda self: self._config.max_scale)
     skip_on_overflow = property(lambda self: self._config.skip_on_overflow)
 
+    @property
+    def _unit_scale(self):
+        """A fixed scale of 1: nothing to unscale, nothing to warn of."""
+        return not self._config.dynamic and self.initial_scale == 1.0
+
     # Keras's built-in names for the state variables, and tf.keras 2's.
     dynamic_scale = property(lambda self: self.loss_scale)
     step_counter = property(lambda self: self.good_steps)
@@ -355,7 +360,7 @@ class LossScaleOptimizer(_KerasLossScaleOptimizer):
             state_index=self._state_start,
             own_count=len(self._variables),
             loss_unscaled=self._scaled_this_step is False,
-            unit_scale=not self._config.dynamic and self.initial_scale == 1.0,
+            unit_scale=self._unit_scale,
         )
 
     def _apply_inner(self, grads, trainable_variables):
@@ -439,7 +444,7 @@ class LossScaleOptimizer(_KerasLossScaleOptimizer):
         last step": a loss scaled in one `tf.function` and applied outside it
         is scaled only when that function is traced.
         """
-        if not self._config.dynamic and self.initial_scale == 1.0:
+        if self._unit_scale:
             return  # dividing by 1 changes nothing
         if self._scaled_this_step is False:
             self._warn_unscaled_in_a_train_step(method)

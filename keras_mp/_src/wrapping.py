@@ -210,15 +210,19 @@ def wrap_model_optimizers(model):
     """
     if getattr(model, _LEFT_BARE, False):
         return []
-    loss_scale = needs(model)
+    bare = []
+    for label, setter, optimizer in find_optimizers(model):
+        if isinstance(optimizer, LossScaleOptimizer):
+            optimizer._keras_mp_label = label
+        else:
+            bare.append((label, setter, optimizer))
+    # Every `fit` asks: the layer walks only where an optimizer is bare.
+    loss_scale = needs(model) if bare else None
     if loss_scale is None:
         return []
     half = has_half_variables(model)
     wrapped = []
-    for label, setter, optimizer in find_optimizers(model):
-        if isinstance(optimizer, LossScaleOptimizer):
-            optimizer._keras_mp_label = label
-            continue
+    for label, setter, optimizer in bare:
         if optimizer.built:
             warnings.warn(
                 f"keras_mp: `{label}` ({type(optimizer).__name__}) has already "

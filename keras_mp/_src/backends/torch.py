@@ -7,6 +7,7 @@ and the state is updated with in-place torch ops that mirror
 `loss_scale.update` (the tests drive both through every transition).
 """
 
+from keras_mp._src.backends import common
 from keras_mp._src.backends.common import *  # noqa: F401,F403 (the portable hooks)
 
 EXPORTS_SAVED_MODEL = False
@@ -60,7 +61,7 @@ def apply(step, grads, trainable_variables, unscaled_by_caller):
             finite = not step.config.checks_finite or bool(step.check_finite(grads))
         else:
             scale = step.variables[0].value
-            if step.loss_unscaled or step.unit_scale:
+            if common.scale_of_grads(step, scale) is None:  # nothing to unscale: by 1
                 scale = torch.ones_like(scale)
             unscaled, found_inf = unscale_and_check(grads, scale, skip=step.skip)
             # The one host read, as GradScaler's.
