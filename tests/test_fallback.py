@@ -57,6 +57,17 @@ def _compiled(model, level, dtype):
     return model
 
 
+def _compiled_classifier(model, **amp):
+    """`model` compiled for the digits' 10 classes (logits), with `amp`'s
+    `amp_level`/`amp_dtype` (none: float32)."""
+    model.compile(
+        optimizer=keras.optimizers.Adam(1e-2),
+        loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+        **amp,
+    )
+    return model
+
+
 def _sampling_classifier():
     keras.utils.set_random_seed(4)
     inputs = keras.Input((8, 8, 1))
@@ -75,13 +86,7 @@ def test_a_sampling_layer_in_a_functional_model_trains_on_every_backend(level, d
     x float32 to float32 rather than refuse it: nothing falls back there,
     and it trains all the same."""
     x, y = keras_io.digits()
-    model = _sampling_classifier()
-    model.compile(
-        optimizer=keras.optimizers.Adam(1e-2),
-        loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
-        amp_level=level,
-        amp_dtype=dtype,
-    )
+    model = _compiled_classifier(_sampling_classifier(), amp_level=level, amp_dtype=dtype)
     losses, told = _fit(model, x, y, epochs=3)
     assert np.all(np.isfinite(losses)) and losses[-1] < 0.9 * losses[0]
     falls_back = BACKEND == "tensorflow"
@@ -175,19 +180,8 @@ def test_a_layer_without_a_half_gradient_kernel_falls_back_at_the_first_step(lev
             ]
         )
 
-    reference = model()
-    reference.compile(
-        optimizer=keras.optimizers.Adam(1e-2),
-        loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
-    )
-    want, _ = _fit(reference, x, y)
-    half = model()
-    half.compile(
-        optimizer=keras.optimizers.Adam(1e-2),
-        loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
-        amp_level=level,
-        amp_dtype=dtype,
-    )
+    want, _ = _fit(_compiled_classifier(model()), x, y)
+    half = _compiled_classifier(model(), amp_level=level, amp_dtype=dtype)
     losses, told = _fit(half, x, y)
     named = [t for t in told if "'no_half_grad' (_NoHalfGradient) fails in" in t]
     assert len(named) == 1 and "deny=[_NoHalfGradient]" in named[0], told

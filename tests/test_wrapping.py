@@ -131,18 +131,25 @@ def test_the_dcgan_trains_both_networks_with_its_two_optimizers(level, dtype, sc
     assert "d_optimizer" in summary.text
 
 
-@needs_stateful_fit
-def test_a_skipped_step_of_one_optimizer_leaves_the_other_network_training():
-    """Each optimizer decides for itself: the discriminator's, at a fixed
-    scale of 2**100, overflows in float16 at every step and is skipped, its
-    weights and slots bit-identical; the generator's own steps go on."""
-    x, _ = keras_io.digits(128)
+def _gan_whose_discriminator_always_overflows():
+    """keras-io's GAN at O2 float16 (with `scale_loss`), its discriminator's
+    optimizer at a fixed scale of 2**100: every one of its steps overflows."""
     model = keras_io.gan(scaled=True)
     keras_mp.apply_amp(model, "O2", "float16")
     d_optimizer = keras_mp.LossScaleOptimizer(
         keras.optimizers.Adam(3e-3), dynamic=False, initial_scale=2.0**100
     )
     keras_io.compile_gan(model, d_optimizer=d_optimizer)
+    return model
+
+
+@needs_stateful_fit
+def test_a_skipped_step_of_one_optimizer_leaves_the_other_network_training():
+    """Each optimizer decides for itself: the discriminator's, at a fixed
+    scale of 2**100, overflows in float16 at every step and is skipped, its
+    weights and slots bit-identical; the generator's own steps go on."""
+    x, _ = keras_io.digits(128)
+    model = _gan_whose_discriminator_always_overflows()
     d_before = keras_io.weights_of(model.discriminator)
     g_before = keras_io.weights_of(model.generator)
     history, _ = _fit_quietly(model, x, epochs=1, batch_size=32)
@@ -298,12 +305,7 @@ def test_overflow_guard_watches_each_optimizer_and_names_the_one_that_stops():
     from keras_mp.callbacks import OverflowGuard
 
     x, _ = keras_io.digits(256)
-    model = keras_io.gan(scaled=True)
-    keras_mp.apply_amp(model, "O2", "float16")
-    d_optimizer = keras_mp.LossScaleOptimizer(
-        keras.optimizers.Adam(3e-3), dynamic=False, initial_scale=2.0**100
-    )
-    keras_io.compile_gan(model, d_optimizer=d_optimizer)
+    model = _gan_whose_discriminator_always_overflows()
     guard = OverflowGuard(patience=3, verbose=0)
     history, _ = _fit_quietly(model, x, epochs=1, batch_size=32, callbacks=[guard])
     assert guard.stopped_step == 2, guard.message  # the third step, counted from 0
