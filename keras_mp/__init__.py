@@ -25,14 +25,14 @@ from keras_mp._src.compile import install as _install_compile_keywords
 from keras_mp._src.doctor import analyze
 from keras_mp._src.export import export
 from keras_mp._src.export import serving_copy
+from keras_mp._src.layer_kinds import ALLOW_LIST
+from keras_mp._src.layer_kinds import DENY_LIST
 from keras_mp._src.levels import HALF_DTYPES
 from keras_mp._src.levels import LEVELS
 from keras_mp._src.loss_scale_optimizer import LossScaleOptimizer
-from keras_mp._src.policies import ALLOW_LIST
-from keras_mp._src.policies import DENY_LIST
 from keras_mp._src.policies import apply_amp
-from keras_mp._src.policies import precision_summary
 from keras_mp._src.policies import to_float
+from keras_mp._src.summary import precision_summary
 
 __version__ = "0.1.0"
 

@@ -8,6 +8,7 @@ import pytest
 
 import keras_mp
 from keras_mp._src import compile as amp_compile
+from keras_mp._src import saved_precision
 from tests import models
 
 BACKEND = keras.backend.backend()
@@ -33,7 +34,7 @@ def test_plain_compile_is_unchanged():
     model.compile(optimizer=optimizer, loss="mse")
     assert model.optimizer is optimizer
     config = model.get_compile_config()
-    assert not set(keras_mp._src.compile.AMP_ARGUMENTS + ("amp_layers",)) & set(config)
+    assert not set(saved_precision.AMP_ARGUMENTS + (saved_precision.AMP_LAYERS,)) & set(config)
     assert model.get_layer("hidden").dtype_policy.name == "float32"
     # Keras still sees `compile` as its own (so load_model recompiles).
     assert type(model).compile == Trainer.compile
@@ -265,23 +266,6 @@ def test_bad_amp_arguments(kwargs, error, fragment):
     with pytest.raises(error) as info:
         _model().compile(optimizer="adam", loss="mse", **kwargs)
     assert fragment in str(info.value)
-
-
-@pytest.mark.parametrize(
-    "capability, flags, backend, expected",
-    [
-        ((9, 0), set(), "jax", ("O2", "float16")),
-        ((6, 1), set(), "torch", ("O0", "float16")),
-        (None, {"avx512_bf16"}, "torch", ("O0", "float16")),
-        (None, {"amx_bf16"}, "tensorflow", ("O2", "bfloat16")),
-        (None, {"avx512_bf16"}, "jax", ("O0", "float16")),
-        (None, set(), "tensorflow", ("O0", "float16")),
-    ],
-)
-def test_auto_level_rule(capability, flags, backend, expected):
-    level, dtype, reason = amp_compile.auto_level_rule(capability, flags, backend)
-    assert (level, dtype) == expected
-    assert reason and "RESULTS.md" not in reason
 
 
 def test_auto_says_what_it_picked(capsys):

@@ -5,6 +5,8 @@ import numbers
 import keras
 import numpy as np
 
+from keras_mp._src import keras_internals
+
 _HINTS = (
     "Things to try: a lower learning rate, or gradient clipping on the inner "
     "optimizer (e.g. `clipnorm=1.0`); check the data for NaN/inf; run "
@@ -150,7 +152,7 @@ class OverflowGuard(keras.callbacks.Callback):
             self.stopped_step = step
             self.model.stop_training = True
             if self.verbose:
-                keras.src.utils.io_utils.print_msg(self.message)
+                keras_internals.print_msg(self.message)
 
 
 class _Watch:

@@ -36,6 +36,7 @@ inner optimizer: saved and restored with it, untouched by a skipped step.
 import keras
 from keras import ops
 
+from keras_mp._src import backends
 from keras_mp._src.master_weights import COMPENSATED
 from keras_mp._src.master_weights import is_half
 
@@ -128,17 +129,7 @@ class CompensatedUpdates:
 
         optimizer.update_step = compensated_update_step
         optimizer._apply_weight_decay = compensated_weight_decay
-        if keras.backend.backend() == "torch" and hasattr(type(optimizer), "_parallel_update_step"):
-            # Keras's fused PyTorch step writes the tensors with
-            # `torch._foreach_*`: step each variable through `update_step`.
-            import torch
-
-            def one_at_a_time(grads, variables, learning_rate):
-                with torch.no_grad():
-                    for gradient, variable in zip(grads, variables):
-                        optimizer.update_step(gradient, variable, learning_rate)
-
-            optimizer._backend_update_step = one_at_a_time
+        backends.current.step_each_variable(optimizer)
 
 
 # -- the update rules, in float32: (optimizer, gradient, variable, lr) -> update

@@ -26,15 +26,15 @@ import textwrap
 
 import keras
 import numpy as np
-from keras.src.losses.losses import LossFunctionWrapper
 
 from keras_mp._src import backends
+from keras_mp._src import keras_internals
 from keras_mp._src import table
 from keras_mp._src.export import serving_copy
+from keras_mp._src.layer_kinds import DENY_LIST
+from keras_mp._src.layer_tree import layers_in_order
 from keras_mp._src.levels import check_half_dtype
-from keras_mp._src.policies import DENY_LIST
 from keras_mp._src.policies import check_model
-from keras_mp._src.policies import layers_in_order
 from keras_mp._src.table import WIDTH
 
 # Largest finite value and smallest positive (subnormal) value.
@@ -232,7 +232,7 @@ def analyze(
     for layer, twin in zip(layers, copy_layers):
         max_act = in_float32.get(id(twin), (None, True))[0]
         finite = in_policy.get(id(layer), (None, True))[1]
-        own = [v for v in layer._trainable_variables if id(v) in by_variable]
+        own = [v for v in keras_internals.own_trainable_variables(layer) if id(v) in by_variable]
         grads = [by_variable[id(v)] for v in own]
         values = np.concatenate([g.ravel() for g in grads]) if grads else np.zeros(0, "float32")
         reasons = []
@@ -360,7 +360,7 @@ def _loss(model, loss):
     loss = keras.losses.get(loss)
     if not isinstance(loss, keras.losses.Loss):
         # A plain function of (y_true, y_pred): reduced as `compile` does.
-        loss = LossFunctionWrapper(loss)
+        loss = keras_internals.LossFunctionWrapper(loss)
     return loss
 
 

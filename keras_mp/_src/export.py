@@ -14,9 +14,9 @@ import logging
 import warnings
 
 import keras
-from keras.src.export.export_utils import get_input_signature
 
 from keras_mp._src import backends
+from keras_mp._src import keras_internals
 from keras_mp._src.policies import apply_amp
 from keras_mp._src.policies import check_model
 
@@ -73,7 +73,7 @@ def serving_copy(model, dtype="float32"):
     config.pop("compile_config", None)
     # The model's own classes, registered with Keras or not.
     classes = {}
-    for layer in model._flatten_layers(include_self=True, recursive=True):
+    for layer in keras_internals.all_layers(model):
         cls = type(layer)
         classes[cls.__name__] = cls
         classes[keras.saving.get_registered_name(cls)] = cls
@@ -153,7 +153,7 @@ def export(
     if input_signature is None and format == "tf_saved_model":
         # The model's own inputs (float32), read off the model that was
         # called; a subclassed copy rebuilt from its config has not been.
-        input_signature = get_input_signature(model)
+        input_signature = keras_internals.get_input_signature(model)
     with _quiet_tensorflow_logs(verbose is False):
         return copy.export(
             filepath,

@@ -36,6 +36,9 @@ import warnings
 
 import keras
 
+from keras_mp._src import keras_internals
+from keras_mp._src import layer_tree
+from keras_mp._src.layer_tree import layers_in_order
 from keras_mp._src.levels import HALF_DTYPES
 
 _INSTALLED = "_keras_mp_fallback_installed"
@@ -88,10 +91,8 @@ def _with_fallback(layer, call):
 def _in_float32(layer, call, args, kwargs):
     """`call` in float32: floating inputs and weights read in float32, the
     outputs cast back to the layer's compute dtype (what its caller expects)."""
-    from keras.src.backend import AutocastScope
-
     args, kwargs = keras.tree.map_structure(lambda x: _cast(x, "float32"), (args, kwargs))
-    with AutocastScope("float32"):
+    with keras_internals.AutocastScope("float32"):
         outputs = call(*args, **kwargs)
     dtype = keras.backend.standardize_dtype(layer.compute_dtype)
     return keras.tree.map_structure(lambda x: _cast(x, dtype), outputs)
@@ -119,17 +120,15 @@ def find_layers_failing_in_half(model):
     built on one input runs on a random batch of 2 in its compute dtype;
     the gradients are cleared after. `(layer, error)` for each that fails.
     """
-    from keras_mp._src.policies import layers_in_order
-
     failing = []
     for layer in layers_in_order(model):
         half = keras.backend.standardize_dtype(layer.compute_dtype)
-        shape = (getattr(layer, "_build_shapes_dict", None) or {}).get("input_shape")
+        shape = keras_internals.built_input_shape(layer)
         if (
             half not in HALF_DTYPES
             or fell_back(layer) is not None
             or not layer.trainable_weights
-            or any(True for _ in layer._flatten_layers(include_self=False, recursive=False))
+            or layer_tree.has_sublayers(layer)
             or not isinstance(shape, (tuple, list))
             or any(not isinstance(d, int) for d in shape[1:])
         ):

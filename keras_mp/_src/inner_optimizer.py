@@ -20,6 +20,8 @@ import weakref
 
 import keras
 
+from keras_mp._src import keras_internals
+
 _MARK = "_keras_mp_clips_in_float32"
 
 
@@ -167,7 +169,7 @@ def stateless_apply_kept_if(optimizer, kept, optimizer_values, grads, trainable_
     moments from the old ones while the moments are written in place, and
     XLA copies every moment buffer first (`benchmarks/hlo_census.py`).
     """
-    built = optimizer._trainable_variables
+    built = keras_internals.built_variables(optimizer)
     mapping = list(zip(built, trainable_values)) + list(zip(optimizer.variables, optimizer_values))
     with _KeptUnlessScope(mapping, kept) as scope:
         optimizer.apply(grads)

@@ -12,33 +12,46 @@ float32 master weights in the optimizer unless `master_weights=False`
 (`master_weights.py`).
 
 "half" is float16, or bfloat16 (whose range is float32's: no loss scaling by
-default). The lists of layers, and the rules at the boundaries between
-layers of different dtypes, live in `policies.py`.
+default). A level names a row of this table; the user's arguments make it an
+`AmpSettings` (`amp_settings.py`), which is what the rest of keras_mp reads.
+Which layer computes in which dtype is `rules.py`'s table.
 """
 
 import dataclasses
+import enum
 
 LEVELS = ("O0", "O1", "O2", "O3")
 HALF_DTYPES = ("float16", "bfloat16")
 
 
+class Compute(enum.Enum):
+    """Which layers a level computes in half."""
+
+    NONE = "none"  # float32 everywhere
+    ALLOW = "allow"  # the allow-list and the layers inside it
+    DENY = "deny"  # every layer but the deny-list
+    ALL = "all"  # every layer
+
+
 @dataclasses.dataclass(frozen=True)
 class Level:
     name: str
-    # Which layers compute in half: "none", "allow" (the allow-list only),
-    # "deny" (all but the deny-list) or "all".
-    half_compute: str
+    compute: Compute
     half_variables: bool
     # Whether float16 at this level gets dynamic loss scaling by default.
     float16_loss_scale: bool
     keep_batchnorm_fp32_default: bool
 
+    @property
+    def computes_in_half(self):
+        return self.compute is not Compute.NONE
+
 
 LEVEL_TABLE = {
-    "O0": Level("O0", "none", False, False, True),
-    "O1": Level("O1", "allow", False, True, True),
-    "O2": Level("O2", "deny", False, True, True),
-    "O3": Level("O3", "all", True, False, False),
+    "O0": Level("O0", Compute.NONE, False, False, True),
+    "O1": Level("O1", Compute.ALLOW, False, True, True),
+    "O2": Level("O2", Compute.DENY, False, True, True),
+    "O3": Level("O3", Compute.ALL, True, False, False),
 }
 
 

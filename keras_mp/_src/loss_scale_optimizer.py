@@ -7,9 +7,9 @@ import warnings
 import keras
 import numpy as np
 from keras import ops
-from keras.src.utils import tracking
 
 from keras_mp._src import backends
+from keras_mp._src import keras_internals
 from keras_mp._src.compensated import CompensatedUpdates
 from keras_mp._src.inner_optimizer import check_inner_only_arguments
 from keras_mp._src.inner_optimizer import check_inner_optimizer
@@ -254,7 +254,7 @@ class LossScaleOptimizer(_KerasLossScaleOptimizer):
 
     # -- building ------------------------------------------------------------
 
-    @tracking.no_automatic_dependency_tracking
+    @keras_internals.no_automatic_dependency_tracking
     def build(self, var_list):
         var_list = list(var_list)
         skip = self._skip_indices(var_list)

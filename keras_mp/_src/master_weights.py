@@ -25,7 +25,8 @@ still match), saved and restored with it.
 import keras
 from keras import ops
 
-HALF_DTYPES = ("float16", "bfloat16")
+from keras_mp._src.levels import HALF_DTYPES
+
 # `master_weights`'s third value: bfloat16 compensation buffers (`compensated.py`).
 COMPENSATED = "compensated"
 

@@ -23,13 +23,13 @@ model's own `train_step`), and keras_mp says once which it wrapped.
 import warnings
 
 import keras
-from keras.src.utils import io_utils
 
+from keras_mp._src import keras_internals
 from keras_mp._src.inner_optimizer import clip_in_float32
 from keras_mp._src.inner_optimizer import wrapper_of
+from keras_mp._src.layer_tree import layers_in_order
 from keras_mp._src.levels import HALF_DTYPES
 from keras_mp._src.loss_scale_optimizer import LossScaleOptimizer
-from keras_mp._src.policies import layers_in_order
 
 # On a model: the optimizers keras_mp wrapped, as (label, description).
 _WRAPPED = "_keras_mp_wrapped_optimizers"
@@ -240,7 +240,7 @@ def wrap_model_optimizers(model):
         wrapped.append((label, f"{type(optimizer).__name__}, {describe(wrapper, half)}"))
     if wrapped:
         object.__setattr__(model, _WRAPPED, list(getattr(model, _WRAPPED, [])) + wrapped)
-        io_utils.print_msg(
+        keras_internals.print_msg(
             "keras_mp: wrapped "
             + "; ".join(f"`{label}` ({text})" for label, text in wrapped)
             + " in keras_mp.LossScaleOptimizer, as the model's precision needs."

@@ -15,6 +15,9 @@ from keras import ops
 from keras_mp._src.loss_scale import LossScaleState
 from keras_mp._src.loss_scale import update
 
+# This process's Keras backend.
+NAME = keras.backend.backend()
+
 # Gradients of these dtypes are checked by their sum, which overflows only for
 # values near float32's maximum (where the exact check takes over); narrower
 # ones elementwise, since a float32 sum of them needs a float32 copy first.
@@ -301,3 +304,16 @@ def gpu_compute_capability():
 def half_attention_needs_float32(dtype):
     """Whether Keras's attention cannot compute in `dtype` here (JAX's CPU)."""
     return False
+
+
+# -- layers and optimizers -----------------------------------------------------
+
+
+def variables_changed(model):
+    """After variables of `model` were recast in place (O3's half weights):
+    what the backend registers by object must learn the new ones."""
+
+
+def step_each_variable(optimizer):
+    """Makes `optimizer` step each variable through its `update_step`, where
+    the backend fuses the update of all of them (compensated updates)."""

@@ -8,6 +8,7 @@ traced and compiled again at every call.
 
 import collections
 
+from keras_mp._src import keras_internals
 from keras_mp._src.backends import common
 from keras_mp._src.backends.common import *  # noqa: F401,F403 (the portable hooks)
 
@@ -152,9 +153,7 @@ def read_scale(variable):
     step (which `stateless_apply` then warns of), and nothing at all inside
     `fit`, whose compiled step holds the state and empties the variables.
     """
-    from keras.src.backend.common.stateless_scope import get_stateless_scope
-
-    scope = get_stateless_scope()
+    scope = keras_internals.stateless_scope()
     if scope is not None and scope.get_current_value(variable) is not None:
         return variable.value, True
     try:

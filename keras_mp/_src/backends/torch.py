@@ -7,6 +7,7 @@ and the state is updated with in-place torch ops that mirror
 `loss_scale.update` (the tests drive both through every transition).
 """
 
+from keras_mp._src import keras_internals
 from keras_mp._src.backends import common
 from keras_mp._src.backends.common import *  # noqa: F401,F403 (the portable hooks)
 
@@ -133,3 +134,25 @@ def gpu_compute_capability():
     if not torch.cuda.is_available():
         return None
     return tuple(torch.cuda.get_device_capability(0))
+
+
+# -- layers and optimizers -----------------------------------------------------
+
+
+def variables_changed(model):
+    keras_internals.retrack_torch_parameters(model)
+
+
+def step_each_variable(optimizer):
+    # Keras's fused PyTorch step writes the tensors with `torch._foreach_*`:
+    # step each variable through `update_step`.
+    if not hasattr(type(optimizer), "_parallel_update_step"):
+        return
+    import torch
+
+    def one_at_a_time(grads, variables, learning_rate):
+        with torch.no_grad():
+            for gradient, variable in zip(grads, variables):
+                optimizer.update_step(gradient, variable, learning_rate)
+
+    optimizer._backend_update_step = one_at_a_time

@@ -1,0 +1,129 @@
+"""Every use of Keras's internals, in one place.
+
+keras_mp reaches into Keras where its public API has no door: the trainer
+whose `compile` it extends, the functional model class, a tensor's Keras
+mask, the autocast scope, a layer's direct children, a variable's dtype. The
+next Keras release may move any of these; this module is the surface it can
+break. A name that is missing fails `import keras_mp` with an error naming
+the Keras version and the name, not an `AttributeError` deep in a step.
+
+Private attributes of optimizers that keras_mp overrides (`update_step`,
+`_apply_weight_decay`, an optimizer's own `_variables`) are the subclassing
+surface of `keras.optimizers.Optimizer`, and stay with the code that
+overrides them (`compensated.py`, `loss_scale_optimizer.py`).
+"""
+
+import importlib
+
+import keras
+
+# The Keras releases keras_mp is tested with (pyproject.toml pins the floor).
+TESTED = "3.15"
+
+
+class KerasInternalsError(ImportError):
+    """A Keras internal that keras_mp needs is missing in this Keras."""
+
+
+def _need(module, name):
+    try:
+        return getattr(importlib.import_module(module), name)
+    except (ImportError, AttributeError) as error:
+        raise KerasInternalsError(
+            f"keras_mp needs `{module}.{name}` from Keras's internals, which "
+            f"Keras {keras.__version__} does not have (keras_mp is tested with "
+            f"Keras {TESTED}). Install a Keras release keras_mp supports "
+            f"(`pip install 'keras=={TESTED}.*'`), or a keras_mp release made "
+            f"for Keras {keras.__version__}."
+        ) from error
+
+
+# Keras's `Trainer`: `compile`, `compile_from_config`, `get_compile_config`
+# and `_aggregate_additional_loss` are extended on it (`compile.py`).
+Trainer = _need("keras.src.trainers.trainer", "Trainer")
+# Sequential and functional models: Keras casts each of their layers' inputs.
+Functional = _need("keras.src.models.functional", "Functional")
+get_keras_mask = _need("keras.src.backend", "get_keras_mask")
+set_keras_mask = _need("keras.src.backend", "set_keras_mask")
+# Reads a layer's float32 weights and inputs in another dtype (`fallback.py`).
+AutocastScope = _need("keras.src.backend", "AutocastScope")
+# Keras's own messages go through it (quiet under `keras.config.disable_interactive_logging`).
+print_msg = _need("keras.src.utils.io_utils", "print_msg")
+no_automatic_dependency_tracking = _need(
+    "keras.src.utils.tracking", "no_automatic_dependency_tracking"
+)
+LossFunctionWrapper = _need("keras.src.losses.losses", "LossFunctionWrapper")
+get_input_signature = _need("keras.src.export.export_utils", "get_input_signature")
+# Optional: absent in a Keras that sums `add_loss` losses some other way,
+# and then left alone.
+aggregate_additional_loss = getattr(Trainer, "_aggregate_additional_loss", None)
+
+
+def stateless_scope():
+    """The active `keras.StatelessScope`, or None."""
+    return _need("keras.src.backend.common.stateless_scope", "get_stateless_scope")()
+
+
+def children(layer):
+    """The layers `layer` tracks directly (its sublayers, one level down)."""
+    return list(layer._flatten_layers(include_self=False, recursive=False))
+
+
+def all_layers(layer):
+    """`layer` and every layer inside it (Keras's own recursive walk)."""
+    return list(layer._flatten_layers(include_self=True, recursive=True))
+
+
+def output_operations(model):
+    """The operations (layers) that make a functional model's outputs; empty
+    for a model that has none known (subclassed)."""
+    outputs = getattr(model, "_outputs", None) or ()
+    return [
+        t._keras_history.operation
+        for t in keras.tree.flatten(outputs)
+        if getattr(t, "_keras_history", None) is not None
+    ]
+
+
+def own_trainable_variables(layer):
+    """The trainable variables `layer` created itself."""
+    return list(layer._trainable_variables)
+
+
+def own_variables(layer):
+    """The variables `layer` created itself (not its sublayers')."""
+    return list(layer._trainable_variables) + list(layer._non_trainable_variables)
+
+
+def recast(variable, dtype):
+    """Gives a Keras variable a new dtype in place (same object, its value cast)."""
+    value = keras.ops.cast(variable.value, dtype)
+    variable._dtype = dtype
+    variable._initialize(value)
+
+
+def built_variables(optimizer):
+    """The variables an optimizer was built on, in order."""
+    return optimizer._trainable_variables
+
+
+def retrack_torch_parameters(model):
+    """PyTorch modules register parameters by object, in every ancestor.
+
+    Every torch module under the model, not only its Keras layers: a
+    Sequential keeps its parameters in a functional model of its own
+    (`_functional`), which Keras's layer walk does not visit. Left stale,
+    `zero_grad()` (which Keras's and the guides' PyTorch steps call) would
+    clear the old parameters' gradients, and the new ones' would add up
+    from step to step.
+    """
+    if not hasattr(model, "modules"):  # not a torch module: another backend
+        return
+    for module in model.modules():
+        if hasattr(module, "_torch_params") and hasattr(module, "_track_variables"):
+            module._track_variables()
+
+
+def built_input_shape(layer):
+    """The input shape a layer was built on (one input), or None."""
+    return (getattr(layer, "_build_shapes_dict", None) or {}).get("input_shape")

@@ -1,0 +1,88 @@
+"""Walks of a model's layer tree: who calls whom, in what order, and which
+layers' outputs are the model's outputs."""
+
+import keras
+
+from keras_mp._src import keras_internals
+
+
+def is_graph(layer):
+    """Sequential and functional models: Keras casts each layer's inputs."""
+    return isinstance(layer, (keras.Sequential, keras_internals.Functional))
+
+
+def is_subclassed(model):
+    """A model whose forward pass is its own `call`."""
+    return isinstance(model, keras.Model) and not is_graph(model)
+
+
+def is_container(layer):
+    """A model inside the tree (it computes nothing itself)."""
+    return isinstance(layer, keras.Model)
+
+
+def has_sublayers(layer):
+    return bool(keras_internals.children(layer))
+
+
+def tree(model):
+    """(layer, parent) for `model` and every layer inside it, parents first.
+
+    The parent is the layer that tracks it (whose `call` calls it); a layer
+    tracked by several is listed once, under the first.
+    """
+    seen = set()
+    order = []
+    stack = [(model, None)]
+    while stack:
+        layer, parent = stack.pop()
+        if id(layer) in seen:
+            continue
+        seen.add(id(layer))
+        order.append((layer, parent))
+        stack.extend((child, layer) for child in reversed(keras_internals.children(layer)))
+    return order
+
+
+def layers_in_order(model):
+    """The model and its layers, each once, depth first in the order they
+    were added (Keras's recursive `_flatten_layers` lists a nested model's
+    layers last to first)."""
+    return [layer for layer, _ in tree(model)]
+
+
+def output_layers(model):
+    """Layers whose outputs are the model's outputs.
+
+    Known for Sequential and functional models (recursively, when an output
+    comes from a nested model). A subclassed model's outputs are whatever its
+    `call` returns: the subclassed model itself is listed, and its outputs
+    are cast to float32 (`boundaries.py`). So are the outputs of the
+    models it holds (a GAN's generator and discriminator, a VAE's encoder
+    and decoder, a distiller's student and teacher): a `train_step` or
+    `compute_loss` of its own computes its losses from them, as from the
+    model's own outputs.
+    """
+    if is_subclassed(model):
+        outputs = [model]
+        for child in keras_internals.children(model):
+            if is_graph(child):
+                outputs.extend(output_layers(child))
+            elif is_subclassed(child):
+                outputs.append(child)
+        return tuple(outputs)
+    if isinstance(model, keras.Sequential):
+        operations = model.layers[-1:]
+    elif isinstance(model, keras.Model):
+        operations = keras_internals.output_operations(model)
+    else:
+        return ()
+    layers = []
+    for operation in operations:
+        if operation is model:
+            continue
+        if isinstance(operation, keras.Model):
+            layers.extend(output_layers(operation))
+        else:
+            layers.append(operation)
+    return tuple(layers)
