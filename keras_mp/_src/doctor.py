@@ -20,149 +20,28 @@ The model itself is not changed (no weights, no BatchNorm statistics, no
 optimizer state).
 """
 
-import dataclasses
 import math
-import textwrap
 
 import keras
 import numpy as np
 
 from keras_mp._src import backends
 from keras_mp._src import keras_internals
-from keras_mp._src import table
+from keras_mp._src.doctor_report import PrecisionReport
+from keras_mp._src.doctor_report import percent
+from keras_mp._src.doctor_report import render
 from keras_mp._src.export import serving_copy
+from keras_mp._src.half_range import HALF_RANGE
+from keras_mp._src.half_range import overflow_share
+from keras_mp._src.half_range import recommended_loss_scale
+from keras_mp._src.half_range import underflow_share
 from keras_mp._src.layer_kinds import DENY_LIST
 from keras_mp._src.layer_tree import layers_in_order
 from keras_mp._src.levels import check_half_dtype
 from keras_mp._src.policies import check_model
-from keras_mp._src.table import WIDTH
 
-# Largest finite value and smallest positive (subnormal) value.
-HALF_RANGE = {
-    "float16": (65504.0, 2.0**-24),
-    "bfloat16": (3.3895313892515355e38, 2.0**-133),
-}
-# The recommended scale keeps the largest gradient this far below overflow.
-_HEADROOM = 2.0
-_MAX_RECOMMENDED_SCALE = 2.0**24
 # An activation above this share of the half dtype's maximum is flagged.
 _ACTIVATION_LIMIT = 0.5
-
-
-def underflow_share(values, scale, dtype="float16"):
-    """Share of the non-zero `values` that `dtype` flushes to zero once scaled.
-
-    A value underflows to zero when its scaled magnitude is below half the
-    dtype's smallest subnormal (it rounds to 0).
-    """
-    values = np.abs(np.asarray(values, dtype="float64")).ravel()
-    nonzero = values[values > 0]
-    if nonzero.size == 0:
-        return 0.0
-    tiny = HALF_RANGE[dtype][1]
-    return float(np.mean(nonzero * scale < tiny / 2))
-
-
-def overflow_share(values, scale, dtype="float16"):
-    """Share of `values` whose scaled magnitude passes `dtype`'s maximum."""
-    values = np.abs(np.asarray(values, dtype="float64")).ravel()
-    if values.size == 0:
-        return 0.0
-    return float(np.mean(values * scale > HALF_RANGE[dtype][0]))
-
-
-def recommended_loss_scale(gradients, dtype="float16"):
-    """The largest power of two that keeps every gradient value finite.
-
-    `max|g| * scale` stays a factor `_HEADROOM` below the dtype's maximum,
-    so as little as possible underflows without anything overflowing;
-    clamped to [1, 2**24]. bfloat16 has float32's range: 1 (no scaling).
-    """
-    if dtype == "bfloat16":
-        return 1.0
-    largest = max((float(np.max(np.abs(g))) for g in gradients if np.size(g)), default=0.0)
-    if not largest or not math.isfinite(largest):
-        return 1.0 if largest else _MAX_RECOMMENDED_SCALE
-    exponent = math.floor(math.log2(HALF_RANGE[dtype][0] / (_HEADROOM * largest)))
-    return float(min(max(2.0**exponent, 1.0), _MAX_RECOMMENDED_SCALE))
-
-
-@dataclasses.dataclass(frozen=True, repr=False)
-class PrecisionReport(table.Report):
-    """The doctor's table (`.text`, or print it), with the findings as data.
-
-    Attributes:
-        text: the table.
-        rows: one dict per layer (see `analyze`).
-        dtype: the half dtype analysed against.
-        current_loss_scale, recommended_loss_scale: floats.
-        advice: why that scale is recommended (one sentence).
-        keep_float32: names of the layers flagged to stay in float32.
-        gradients: `{variable path: float32 NumPy array}`, for your own plots.
-    """
-
-    dtype: str
-    current_loss_scale: float
-    recommended_loss_scale: float
-    advice: str
-    keep_float32: list
-    gradients: dict
-
-    def plot(self, path=None):
-        """A histogram of gradient magnitudes against the half dtype's range.
-
-        Like MindSpore's loss-scale tutorial: log2 |g| of every gradient
-        value, with the underflow threshold at the current and at the
-        recommended loss scale. Needs matplotlib (not a dependency of
-        keras_mp).
-
-        Args:
-            path: optional file to save the figure to (e.g. "grads.png").
-
-        Returns:
-            The matplotlib `Figure`.
-        """
-        try:
-            import matplotlib
-
-            if path is not None:
-                matplotlib.use("Agg", force=False)
-            import matplotlib.pyplot as plt
-        except ImportError as e:
-            raise ImportError(
-                "PrecisionReport.plot needs matplotlib: `pip install matplotlib`."
-            ) from e
-        values = np.concatenate(
-            [np.abs(g).ravel() for g in self.gradients.values()] or [np.zeros(0)]
-        )
-        values = values[values > 0]
-        figure, axis = plt.subplots(figsize=(8, 4))
-        axis.hist(np.log2(values), bins=80, color="tab:blue", alpha=0.8)
-        largest, tiny = HALF_RANGE[self.dtype]
-        for scale, style, label in (
-            (self.current_loss_scale, "--", "current"),
-            (self.recommended_loss_scale, "-", "recommended"),
-        ):
-            axis.axvline(
-                math.log2(tiny / 2 / scale),
-                color="tab:red",
-                linestyle=style,
-                label=f"{self.dtype} underflow at {label} scale {scale:g}",
-            )
-            axis.axvline(
-                math.log2(largest / scale),
-                color="tab:orange",
-                linestyle=style,
-                label=f"{self.dtype} overflow at {label} scale {scale:g}",
-            )
-        axis.set_xlabel("log2 |gradient| (float32 values)")
-        axis.set_ylabel("count")
-        axis.set_title("Gradient magnitudes against the half-precision range")
-        axis.legend(fontsize="small")
-        figure.tight_layout()
-        if path is not None:
-            figure.savefig(path)
-        return figure
 
 
 def analyze(
@@ -269,7 +148,7 @@ def analyze(
         )
 
     report = PrecisionReport(
-        text=_render(rows, half, scale, recommended, advice, all_values),
+        text=render(rows, half, scale, recommended, advice, all_values),
         rows=rows,
         dtype=half,
         current_loss_scale=scale,
@@ -306,8 +185,8 @@ def _recommendation(gradients, scale, half):
     now, then = underflow_share(values, scale, half), underflow_share(values, candidate, half)
     if then < now:
         return candidate, (
-            f"2**{int(math.log2(candidate))} flushes {_percent(then)} of the gradient "
-            f"values to zero, the current {scale:g} {_percent(now)}."
+            f"2**{int(math.log2(candidate))} flushes {percent(then)} of the gradient "
+            f"values to zero, the current {scale:g} {percent(now)}."
         )
     if now == 0:
         return scale, f"keep the current {scale:g}: no gradient value underflows or overflows."
@@ -410,70 +289,3 @@ def _record_activations(model, layers, x):
             else:
                 object.__setattr__(layer, "call", previous)
     return seen
-
-
-def _percent(share):
-    if share is None:
-        return "-"
-    if share == 0:
-        return "0%"
-    return f"{share:.1%}" if share >= 0.001 else "<0.1%"
-
-
-def _render(rows, half, scale, recommended, advice, gradients):
-    """The report as text, at most `WIDTH` columns wide.
-
-    Layer names longer than their column keep their end (`...attention/query`);
-    a flagged layer's note goes on the lines below its row.
-    """
-    headers = (
-        "Layer (class)",
-        "Compute",
-        "Max |act|",
-        "% max",
-        "Underflow now/rec",
-        "Overflow now/rec",
-    )
-    cells = []
-    for r in rows:
-        cells.append(
-            (
-                f"{r['layer']} ({r['class']})",
-                r["compute_dtype"],
-                "-" if r["max_activation"] is None else f"{r['max_activation']:.3g}",
-                "-"
-                if r["activation_share_of_max"] is None
-                else _percent(r["activation_share_of_max"]),
-                f"{_percent(r['underflow_current'])} / {_percent(r['underflow_recommended'])}",
-                f"{_percent(r['overflow_current'])} / {_percent(r['overflow_recommended'])}",
-            )
-        )
-    lines = textwrap.wrap(
-        f"Gradient values lost in {half}, per layer: now = at the current loss scale "
-        f"{scale:g}, rec = at the recommended {recommended:g}.",
-        WIDTH,
-    )
-    notes = [("keep float32: " + r["reason"]) if r["keep_float32"] else None for r in rows]
-    lines += table.render(headers, cells, notes=notes, shrink=0, width=WIDTH)
-    values = [np.abs(g).ravel() for g in gradients]
-    values = np.concatenate(values) if values else np.zeros(0)
-    summary = [
-        f"Gradients (float32 pass, {values.size} values): underflow to zero in {half} "
-        f"{_percent(underflow_share(values, scale, half))} at the current loss scale {scale:g}, "
-        f"{_percent(underflow_share(values, recommended, half))} at the recommended "
-        f"{recommended:g}; "
-        f"overflow {_percent(overflow_share(values, scale, half))} / "
-        f"{_percent(overflow_share(values, recommended, half))}.",
-        f"Recommended initial loss scale: {recommended:g}"
-        + ("" if half == "bfloat16" else f" (2**{int(math.log2(recommended))})")
-        + f": {advice}",
-    ]
-    flagged = [r["layer"] for r in rows if r["keep_float32"]]
-    summary.append(
-        "Keep in float32: "
-        + (", ".join(flagged) + " (see the notes)." if flagged else "none flagged.")
-    )
-    lines.append("")
-    for paragraph in summary:
-        lines += textwrap.wrap(paragraph, WIDTH, subsequent_indent="  ")
-    return "\n".join(lines)

@@ -1,22 +1,22 @@
 """`keras_mp.LossScaleOptimizer`: fixed and dynamic loss scaling."""
 
 import dataclasses
-import functools
-import warnings
 
 import keras
-import numpy as np
 from keras import ops
 
 from keras_mp._src import backends
+from keras_mp._src import deferred_loading
 from keras_mp._src import keras_internals
+from keras_mp._src import stateless
+from keras_mp._src import tf_keras_names
+from keras_mp._src import unscaled_loss
 from keras_mp._src.compensated import CompensatedUpdates
 from keras_mp._src.inner_optimizer import check_inner_only_arguments
 from keras_mp._src.inner_optimizer import check_inner_optimizer
 from keras_mp._src.inner_optimizer import check_inner_setting
 from keras_mp._src.inner_optimizer import clip_in_float32
 from keras_mp._src.inner_optimizer import mark_wrapped
-from keras_mp._src.inner_optimizer import stateless_apply_kept_if
 from keras_mp._src.loss_scale import Step
 from keras_mp._src.loss_scale import checked_growth_steps
 from keras_mp._src.loss_scale import config_from_arguments
@@ -27,23 +27,10 @@ from keras_mp._src.master_weights import check_master_weights
 _KerasLossScaleOptimizer = keras.optimizers.LossScaleOptimizer
 
 
-def _defer_inner_loading(inner_optimizer):
-    """The inner optimizer's variables are among the wrapper's, saved and
-    loaded with them (`load_own_variables`); saved again on their own, they
-    are left to the wrapper where the inner optimizer is not built yet,
-    rather than skipped with Keras's warning."""
-    load = inner_optimizer.load_own_variables
-
-    def load_unless_deferred(store):
-        if not inner_optimizer.built and len(store.keys()) > len(inner_optimizer.variables):
-            return
-        load(store)
-
-    object.__setattr__(inner_optimizer, "load_own_variables", load_unless_deferred)
-
-
 @keras.saving.register_keras_serializable(package="keras_mp")
-class LossScaleOptimizer(_KerasLossScaleOptimizer):
+class LossScaleOptimizer(
+    stateless.StatelessApply, tf_keras_names.TfKeras2Names, _KerasLossScaleOptimizer
+):
     """An optimizer that scales the loss so float16 gradients do not underflow.
 
     Small gradients underflow to zero in float16. Multiplying the loss by a
@@ -172,7 +159,7 @@ class LossScaleOptimizer(_KerasLossScaleOptimizer):
         # One wrapper per inner optimizer, as in tf.keras 2: two would both
         # step it, each with its own scale.
         mark_wrapped(inner_optimizer, self)
-        _defer_inner_loading(inner_optimizer)
+        deferred_loading.defer_inner_loading(inner_optimizer)
         # The loss is scaled here; scaling it in the inner optimizer as well
         # would scale it twice.
         self.inner_optimizer.loss_scale_factor = None
@@ -240,12 +227,6 @@ class LossScaleOptimizer(_KerasLossScaleOptimizer):
         """A fixed scale of 1: nothing to unscale, nothing to warn of."""
         return not self._config.dynamic and self.initial_scale == 1.0
 
-    # Keras's built-in names for the state variables, and tf.keras 2's.
-    dynamic_scale = property(lambda self: self.loss_scale)
-    step_counter = property(lambda self: self.good_steps)
-    # tf.keras 2: None for a fixed scale, which counts nothing towards growth.
-    dynamic_counter = property(lambda self: self.good_steps if self._config.dynamic else None)
-
     def __setattr__(self, name, value):
         # `lso.use_ema = True` would set the wrapper's own, unused copy.
         if "_config" in self.__dict__:  # after the base `__init__` set the defaults
@@ -272,33 +253,13 @@ class LossScaleOptimizer(_KerasLossScaleOptimizer):
         # The base optimizer's build (not the Keras built-in's, which would
         # create a second set of state variables).
         super(_KerasLossScaleOptimizer, self).build(var_list)
-        deferred = self.__dict__.pop("_keras_mp_deferred_values", None)
-        if deferred is not None:
-            with backends.current.outside_the_step():
-                super().load_own_variables({str(i): v for i, v in enumerate(deferred)})
+        deferred_loading.load_kept(self, super().load_own_variables)
 
     def load_own_variables(self, store):
-        """Loads the saved state; before the optimizer is built, at its build.
-
-        An optimizer is built at its first step: a GAN's `d_optimizer`, or
-        any optimizer whose weights `load_weights` loads before the model
-        trains again. Keras skips those ("the optimizer has not been
-        called/built yet") and the run resumes from a fresh state (the loss
-        scale back at 2**15, Adam's moments at zero). Here the saved values
-        are kept and given to the variables when the optimizer is built, as
-        `tf.train.Checkpoint` restores what it cannot yet place.
-        """
-        if not self.built and len(store.keys()) > len(self.variables):
-            values = [np.asarray(store[str(i)]) for i in range(len(store.keys()))]
-            object.__setattr__(self, "_keras_mp_deferred_values", values)
-            # Its own first variables (iterations, the learning rate, the
-            # loss scale and counters) exist already and come first in the
-            # saved list too: now, so that the first step scales its loss
-            # by the saved scale, before `apply` builds the rest.
-            for variable, value in zip(self._variables, values):
-                variable.assign(value)
-            return
-        super().load_own_variables(store)
+        """Loads the saved state; before the optimizer is built, at its build
+        (`deferred_loading.py`)."""
+        if not deferred_loading.keep_for_build(self, store):
+            super().load_own_variables(store)
 
     def _state_variables(self):
         return self._variables[self._state_start : self._state_start + 3]
@@ -337,7 +298,7 @@ class LossScaleOptimizer(_KerasLossScaleOptimizer):
         unscaled_by_caller = self._grads_unscaled_by_caller
         self._grads_unscaled_by_caller = False
         if not unscaled_by_caller:
-            self._warn_if_the_loss_was_never_scaled("apply")
+            unscaled_loss.warn_if_the_loss_was_never_scaled(self, "apply")
 
         backends.current.apply(
             self._step(trainable_variables), grads, trainable_variables, unscaled_by_caller
@@ -371,22 +332,6 @@ class LossScaleOptimizer(_KerasLossScaleOptimizer):
                 self.inner_optimizer.apply, grads, trainable_variables, self._get_variable_index
             )
 
-    def _inner_stateless_apply(self, own_values, inner_values, grads, trainable_values, kept=None):
-        """`(new_trainable, new_own, new_inner)` values of an applied step.
-
-        With `kept` (a boolean scalar), the inner optimizer's assignments
-        are kept only where it is True (`stateless_apply_kept_if`).
-        """
-        inner_apply = self.inner_optimizer.stateless_apply
-        if kept is not None:
-            inner_apply = functools.partial(stateless_apply_kept_if, self.inner_optimizer, kept)
-        if self._masters is None:
-            new_trainable, new_inner = inner_apply(inner_values, grads, trainable_values)
-            return list(new_trainable), list(own_values), list(new_inner)
-        return self._masters.stateless_apply(
-            inner_apply, own_values, inner_values, grads, trainable_values
-        )
-
     def finalize_variable_values(self, var_list):
         if self._masters is None:
             self.inner_optimizer.finalize_variable_values(var_list)
@@ -394,128 +339,6 @@ class LossScaleOptimizer(_KerasLossScaleOptimizer):
             self._masters.finalize(
                 self.inner_optimizer.finalize_variable_values, var_list, self._get_variable_index
             )
-
-    def stateless_apply(self, optimizer_variables, grads, trainable_variables):
-        """Stateless step: returns new trainable and optimizer variable values.
-
-        Used by `model.fit` on JAX (under `jax.jit`); the decision to skip
-        stays on the device: a `lax.cond` on a CPU, selects on a GPU or TPU
-        (`backends.jax.skips_by_select` says why). Called with values rather
-        than under a trace (`apply`, `fit(run_eagerly=True)`, a custom loop),
-        the step is compiled with `jax.jit` at the first call.
-        """
-        backends.current.check_stateless()
-        self._applies += 1
-        if not self.built:
-            raise ValueError(
-                f"To call `stateless_apply`, {self.__class__.__name__} "
-                "must be built (i.e. its variables must have been created). "
-                "You can build it via `optimizer.build(trainable_variables)`."
-            )
-        optimizer_variables = list(optimizer_variables)
-        if len(optimizer_variables) != len(self.variables):
-            raise ValueError(
-                "Argument `optimizer_variables` must be a list of tensors "
-                f"corresponding 1:1 to {self.__class__.__name__}().variables. "
-                f"Received list with length {len(optimizer_variables)}, but "
-                f"expected {len(self.variables)} variables."
-            )
-        self._warn_if_the_loss_was_never_scaled("stateless_apply")
-        self._warn_if_the_scale_was_a_constant(optimizer_variables)
-        step = self._step(self._trainable_variables)
-        return backends.current.run_stateless(
-            functools.partial(backends.current.stateless_step, step),
-            self._stateless_cache,
-            optimizer_variables,
-            grads,
-            list(trainable_variables),
-        )
-
-    def _warn_if_the_loss_was_never_scaled(self, method):
-        """Warns, once, of gradients applied while `scale_loss` never ran.
-
-        Keras's own `train_step` scales the loss; a custom `train_step` or
-        loop written without loss scaling in mind (Keras's "customizing
-        fit" guide) does not, and its gradients, divided by a scale they
-        were never multiplied by, make every update `loss_scale` times too
-        small: the model does not train, and nothing says why. Whether
-        `scale_loss` was ever called is known in Python (when the step is
-        traced or run), so the check costs no step anything. Not "since the
-        last step": a loss scaled in one `tf.function` and applied outside it
-        is scaled only when that function is traced.
-        """
-        if self._unit_scale:
-            return  # dividing by 1 changes nothing
-        if self._scaled_this_step is False:
-            self._warn_unscaled_in_a_train_step(method)
-            return
-        if self._loss_ever_scaled or self._warned_unscaled_loss:
-            return
-        self._warned_unscaled_loss = True
-        warnings.warn(
-            f"LossScaleOptimizer.{method} was called, but the loss was never "
-            f"scaled: its gradients are divided by the loss scale "
-            f"({self.initial_scale:g}) without having been multiplied by it, "
-            "so every update is that many times too small and the model "
-            "hardly trains. A custom `train_step` or training loop must scale "
-            "the loss before taking its gradients, as Keras's own "
-            "`train_step` does: `loss = self.optimizer.scale_loss(loss)` "
-            "(tf.keras 2: `get_scaled_loss`, then `get_unscaled_gradients`; "
-            "JAX: inside a `keras.StatelessScope` mapping the optimizer's "
-            "variables to the step's `optimizer_variables`). "
-            "If you multiplied the loss by `optimizer.loss_scale` yourself, "
-            "ignore this warning.",
-            stacklevel=3,
-        )
-
-    def _warn_unscaled_in_a_train_step(self, method):
-        """Warns, once, of a `fit` step whose loss never reached `scale_loss`.
-
-        Its gradients are applied as they are (unscaled by 1, checked, a
-        non-finite step skipped): the model trains, but float16 gradients
-        below float16's smallest value were lost before they got here.
-        """
-        if self._warned_unscaled_loss:
-            return
-        self._warned_unscaled_loss = True
-        line = f"loss = self.{self._keras_mp_label}.scale_loss(loss)"
-        warnings.warn(
-            f"keras_mp: LossScaleOptimizer.{method} of `self.{self._keras_mp_label}` "
-            f"was called in a train_step whose loss was never scaled: its "
-            f"gradients are applied as they are (checked, and a step whose "
-            f"gradients are not finite is skipped), without loss scaling, so "
-            f"float16 gradients below ~6e-8 are lost (underflow). Scale the "
-            f"loss before taking its gradients: `{line}`"
-            + (
-                " (JAX: inside a `keras.StatelessScope` mapping the optimizer's "
-                "variables to the step's `optimizer_variables`)."
-                if backends.current.STATELESS
-                else "."
-            ),
-            stacklevel=4,
-        )
-
-    def _warn_if_the_scale_was_a_constant(self, optimizer_variables):
-        """JAX: warns, once, of a compiled step that scaled its loss by a constant.
-
-        Under `jax.jit` the optimizer's state comes in as traced values
-        (`optimizer_variables`); a loss scaled outside a StatelessScope that
-        maps them was multiplied by `loss_scale` as it was when the step was
-        traced, and keeps that factor while the step divides by the current
-        scale: after a back-off every step overflows again.
-        """
-        if self._scale_is_the_steps or self._warned_constant_scale:
-            return
-        if not backends.current.is_traced(optimizer_variables[self._state_start]):
-            return
-        self._warned_constant_scale = True
-        warnings.warn(
-            "LossScaleOptimizer.scale_loss read the loss scale outside the "
-            "compiled step's state: the loss is multiplied by the scale it "
-            "had when the step was traced, for good. "
-            + backends.current.SCALE_IN_A_STATELESS_SCOPE,
-            stacklevel=3,
-        )
 
     def check_finite(self, grads):
         """Boolean scalar tensor: whether all gradients are finite."""
@@ -538,38 +361,6 @@ class LossScaleOptimizer(_KerasLossScaleOptimizer):
         scale, self._scale_is_the_steps = backends.current.read_scale(self.loss_scale)
         return ops.multiply(loss, scale)
 
-    def get_scaled_loss(self, loss):
-        """tf.keras 2 name of `scale_loss`; also takes a callable loss."""
-        if callable(loss):
-            return lambda: self.scale_loss(loss())
-        return self.scale_loss(loss)
-
-    def get_unscaled_gradients(self, grads):
-        """tf.keras 2: divides gradients by the loss scale, in float32.
-
-        The next `apply` / `apply_gradients` then takes its gradients as
-        already unscaled (it still checks them and updates the scale), so the
-        tf.keras 2 custom loop works unchanged (TensorFlow and PyTorch).
-
-        Returns:
-            Unscaled gradients, each in its original dtype.
-        """
-        if not self._loss_ever_scaled:
-            # "Ever", as for `apply`: a loss scaled in a `tf.function` is
-            # scaled in Python only when that function is traced.
-            warnings.warn(
-                "LossScaleOptimizer.get_unscaled_gradients was called, but "
-                "the loss was never scaled: take the gradients of "
-                "`optimizer.get_scaled_loss(loss)` (or `scale_loss`). "
-                "Otherwise the gradients are divided by the loss scale "
-                "without having been multiplied by it, and the steps are too "
-                "small by that factor.",
-                stacklevel=2,
-            )
-        unscaled = backends.current.unscale(list(grads), self.loss_scale.value, keep_dtype=True)
-        self._grads_unscaled_by_caller = True
-        return unscaled
-
     # -- serialization ----------------------------------------------------------
 
     def get_config(self):
@@ -586,10 +377,7 @@ class LossScaleOptimizer(_KerasLossScaleOptimizer):
 
     @classmethod
     def from_config(cls, config, custom_objects=None):
-        config = dict(config)
-        if config.get("dynamic") is False and config.get("dynamic_growth_steps") == 2000:
-            # Written by keras_mp 0.1 for a fixed scale (now `None`).
-            config["dynamic_growth_steps"] = None
+        config = tf_keras_names.config_of_older_releases(config)
         inner_optimizer = keras.saving.deserialize_keras_object(
             config.pop("inner_optimizer"), custom_objects=custom_objects
         )

@@ -1,0 +1,100 @@
+"""Warnings of a loss that never reached `scale_loss`, said once per optimizer.
+
+Custom training code written without loss scaling in mind (Keras's
+"customizing fit" guides, a loop of one's own) applies gradients of an
+unscaled loss; a compiled JAX step may scale by a constant. Each is known in
+Python, when the step is traced or run: the checks cost the step nothing.
+`self` is the `LossScaleOptimizer`.
+"""
+
+import warnings
+
+from keras_mp._src import backends
+
+
+def warn_if_the_loss_was_never_scaled(self, method):
+    """Warns, once, of gradients applied while `scale_loss` never ran.
+
+    Keras's own `train_step` scales the loss; a custom `train_step` or
+    loop written without loss scaling in mind (Keras's "customizing
+    fit" guide) does not, and its gradients, divided by a scale they
+    were never multiplied by, make every update `loss_scale` times too
+    small: the model does not train, and nothing says why. Whether
+    `scale_loss` was ever called is known in Python (when the step is
+    traced or run), so the check costs no step anything. Not "since the
+    last step": a loss scaled in one `tf.function` and applied outside it
+    is scaled only when that function is traced.
+    """
+    if self._unit_scale:
+        return  # dividing by 1 changes nothing
+    if self._scaled_this_step is False:
+        _warn_unscaled_in_a_train_step(self, method)
+        return
+    if self._loss_ever_scaled or self._warned_unscaled_loss:
+        return
+    self._warned_unscaled_loss = True
+    warnings.warn(
+        f"LossScaleOptimizer.{method} was called, but the loss was never "
+        f"scaled: its gradients are divided by the loss scale "
+        f"({self.initial_scale:g}) without having been multiplied by it, "
+        "so every update is that many times too small and the model "
+        "hardly trains. A custom `train_step` or training loop must scale "
+        "the loss before taking its gradients, as Keras's own "
+        "`train_step` does: `loss = self.optimizer.scale_loss(loss)` "
+        "(tf.keras 2: `get_scaled_loss`, then `get_unscaled_gradients`; "
+        "JAX: inside a `keras.StatelessScope` mapping the optimizer's "
+        "variables to the step's `optimizer_variables`). "
+        "If you multiplied the loss by `optimizer.loss_scale` yourself, "
+        "ignore this warning.",
+        stacklevel=3,
+    )
+
+
+def _warn_unscaled_in_a_train_step(self, method):
+    """Warns, once, of a `fit` step whose loss never reached `scale_loss`.
+
+    Its gradients are applied as they are (unscaled by 1, checked, a
+    non-finite step skipped): the model trains, but float16 gradients
+    below float16's smallest value were lost before they got here.
+    """
+    if self._warned_unscaled_loss:
+        return
+    self._warned_unscaled_loss = True
+    line = f"loss = self.{self._keras_mp_label}.scale_loss(loss)"
+    warnings.warn(
+        f"keras_mp: LossScaleOptimizer.{method} of `self.{self._keras_mp_label}` "
+        f"was called in a train_step whose loss was never scaled: its "
+        f"gradients are applied as they are (checked, and a step whose "
+        f"gradients are not finite is skipped), without loss scaling, so "
+        f"float16 gradients below ~6e-8 are lost (underflow). Scale the "
+        f"loss before taking its gradients: `{line}`"
+        + (
+            " (JAX: inside a `keras.StatelessScope` mapping the optimizer's "
+            "variables to the step's `optimizer_variables`)."
+            if backends.current.STATELESS
+            else "."
+        ),
+        stacklevel=4,
+    )
+
+
+def warn_if_the_scale_was_a_constant(self, optimizer_variables):
+    """JAX: warns, once, of a compiled step that scaled its loss by a constant.
+
+    Under `jax.jit` the optimizer's state comes in as traced values
+    (`optimizer_variables`); a loss scaled outside a StatelessScope that
+    maps them was multiplied by `loss_scale` as it was when the step was
+    traced, and keeps that factor while the step divides by the current
+    scale: after a back-off every step overflows again.
+    """
+    if self._scale_is_the_steps or self._warned_constant_scale:
+        return
+    if not backends.current.is_traced(optimizer_variables[self._state_start]):
+        return
+    self._warned_constant_scale = True
+    warnings.warn(
+        "LossScaleOptimizer.scale_loss read the loss scale outside the "
+        "compiled step's state: the loss is multiplied by the scale it "
+        "had when the step was traced, for good. " + backends.current.SCALE_IN_A_STATELESS_SCOPE,
+        stacklevel=3,
+    )
