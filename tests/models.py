@@ -1,6 +1,6 @@
-"""The small model and data the unit tests share (tests/zoo has the real
-model families): Dense, BatchNormalization and a softmax output, the three
-kinds of layer the levels treat differently."""
+"""The small models and data the unit tests share (tests/zoo has the real
+model families): Dense, convolutions, BatchNormalization, LayerNormalization
+and a softmax output, the kinds of layer the levels treat differently."""
 
 import keras
 import numpy as np
@@ -27,3 +27,34 @@ def three_class_data(rows):
     rng = np.random.default_rng(0)
     x = rng.normal(size=(rows, 6)).astype("float32")
     return x, (x[:, 0] > 0).astype("int32") + (x[:, 1] > 0).astype("int32")
+
+
+def small_cnn():
+    """8x8x1 images -> conv, bn, relu, flatten, hidden, ln, logits, probs
+    (Softmax, the output): one layer of each kind, seeded."""
+    keras.utils.set_random_seed(0)
+    return keras.Sequential(
+        [
+            keras.Input((8, 8, 1)),
+            keras.layers.Conv2D(4, 3, name="conv"),
+            keras.layers.BatchNormalization(name="bn"),
+            keras.layers.ReLU(name="relu"),
+            keras.layers.Flatten(name="flatten"),
+            keras.layers.Dense(16, name="hidden"),
+            keras.layers.LayerNormalization(name="ln"),
+            keras.layers.Dense(3, name="logits"),
+            keras.layers.Softmax(name="probs"),
+        ],
+        name="cnn",
+    )
+
+
+def functional_classifier():
+    """`dense_bn_classifier` as a functional model: input "features", Dense
+    "hidden", BatchNorm "bn", Dense softmax "probs"; seeded."""
+    keras.utils.set_random_seed(0)
+    inputs = keras.Input((6,), name="features")
+    h = keras.layers.Dense(16, activation="relu", name="hidden")(inputs)
+    h = keras.layers.BatchNormalization(name="bn")(h)
+    outputs = keras.layers.Dense(3, activation="softmax", name="probs")(h)
+    return keras.Model(inputs, outputs)

@@ -22,7 +22,6 @@ def test_auto_level_rule(capability, flags, backend, expected):
     assert reason and "RESULTS.md" not in reason
 
 
-
 def test_the_machine_gets_a_level_of_the_rule():
     level, dtype, reason = auto_level.pick_auto_level()
     assert level in ("O0", "O2") and dtype in ("float16", "bfloat16") and reason

@@ -5,13 +5,14 @@ import numpy as np
 import pytest
 
 import keras_mp
-from keras_mp._src import doctor
+from keras_mp._src import half_range
+from tests.test_half_range import KNOWN
+from tests.test_half_range import direct_underflow
 
 BACKEND = keras.backend.backend()
 
 # Gradient values chosen across float16's range: some flush to zero at a
 # scale of 1, fewer at 2**10, one passes float16's maximum at 2**10.
-KNOWN = np.array([1e-12, 1e-10, 3e-9, 2e-8, 1e-6, 1e-3, 0.5, 100.0], "float32")
 
 
 def _numpy(x):
@@ -35,12 +36,6 @@ def _known_gradient_model(scale):
     return model
 
 
-def _direct_underflow(values, scale):
-    values = np.abs(values.astype("float64"))
-    values = values[values > 0]
-    return np.mean(values * scale < 2.0**-25)
-
-
 def test_underflow_share_matches_a_direct_computation():
     model = _known_gradient_model(2.0**10)
     report = keras_mp.analyze(model, KNOWN[None, :], np.zeros((1, 1), "float32"), print_fn=None)
@@ -50,8 +45,8 @@ def test_underflow_share_matches_a_direct_computation():
     assert report.current_loss_scale == 2.0**10
     # max |g| = 100: 65504 / (2 * 100) = 327.5 -> 2**8.
     assert report.recommended_loss_scale == 2.0**8
-    assert row["underflow_current"] == pytest.approx(_direct_underflow(KNOWN, 2.0**10))
-    assert row["underflow_recommended"] == pytest.approx(_direct_underflow(KNOWN, 2.0**8))
+    assert row["underflow_current"] == pytest.approx(direct_underflow(KNOWN, 2.0**10))
+    assert row["underflow_recommended"] == pytest.approx(direct_underflow(KNOWN, 2.0**8))
     assert row["underflow_current"] == 1 / 8  # 1e-12 < 2**-35 (~2.9e-11)
     assert row["underflow_recommended"] == 2 / 8  # and 1e-10 < 2**-33
     assert row["overflow_current"] == 1 / 8  # 100 * 1024 > 65504
@@ -62,18 +57,7 @@ def test_underflow_share_matches_a_direct_computation():
         model, KNOWN[None, :], np.zeros((1, 1)), loss_scale=1.0, print_fn=None
     )
     (row,) = [r for r in at_one.rows if r["layer"].endswith("probe")]
-    assert row["underflow_current"] == pytest.approx(_direct_underflow(KNOWN, 1.0)) == 4 / 8
-
-
-@pytest.mark.parametrize(
-    "values, scale", [(KNOWN, 1.0), (KNOWN * 1e-3, 2.0**15), (np.zeros(3), 4.0)]
-)
-def test_share_functions(values, scale):
-    assert doctor.underflow_share(values, scale) == pytest.approx(
-        _direct_underflow(values, scale) if np.any(values) else 0.0
-    )
-    expected_overflow = np.mean(np.abs(values.astype("float64")) * scale > 65504)
-    assert doctor.overflow_share(values, scale) == pytest.approx(expected_overflow)
+    assert row["underflow_current"] == pytest.approx(direct_underflow(KNOWN, 1.0)) == 4 / 8
 
 
 def _cnn(kernel_scale=1.0):
@@ -168,7 +152,7 @@ def test_keeps_the_current_scale_when_a_change_would_not_help():
         amp_level="O2",
     )
     report = keras_mp.analyze(model, values[None, :], np.zeros((1, 1), "float32"), print_fn=None)
-    assert doctor.recommended_loss_scale(list(report.gradients.values())) == 2.0**14
+    assert half_range.recommended_loss_scale(list(report.gradients.values())) == 2.0**14
     assert report.recommended_loss_scale == 2.0**10
     assert "keep the current 1024: no gradient value underflows or overflows" in report.advice
     # Where the larger scale saves values, it is recommended, and says how many.

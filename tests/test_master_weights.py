@@ -4,7 +4,7 @@ The references: the same model without master weights (whose bfloat16
 weights do not move at small learning rates), float32 (O0) runs, and the
 weights set by hand. Exact resume through a `.keras` file at O3 is in
 `test_saving.py`, the optimizer features (clipping, EMA, accumulation, weight
-decay) at O3 in `test_optimizer_features.py`, digits accuracy in
+decay) at O3 in `test_inner_optimizer.py`, digits accuracy in
 `test_accuracy_parity.py`.
 """
 

@@ -6,9 +6,6 @@ which keras_mp takes over (settings and state kept) so that a bad batch
 still loses nothing.
 """
 
-import gc
-import warnings
-
 import keras
 import numpy as np
 import pytest
@@ -73,31 +70,6 @@ def test_growth_steps_refuses_what_is_not_a_whole_number(steps):
     assert f"dynamic_growth_steps={steps!r}" in str(info.value)
 
 
-def test_dynamic_counter_is_the_good_steps_counter():
-    variable = keras.Variable(np.ones(2, "float32"))
-    optimizer = keras_mp.LossScaleOptimizer(_sgd(), initial_scale=4.0, dynamic_growth_steps=5)
-    assert optimizer.dynamic_counter is optimizer.good_steps
-    for _ in range(3):
-        optimizer.apply([keras.ops.ones(2)], [variable])
-    assert int(_numpy(optimizer.dynamic_counter)) == 3
-    # A fixed scale has none, as in tf.keras 2.
-    fixed = keras_mp.LossScaleOptimizer(_sgd(), dynamic=False, initial_scale=8.0)
-    assert fixed.dynamic_counter is None
-
-
-def test_an_optimizer_is_wrapped_by_one_loss_scale_optimizer_only():
-    inner = _sgd()
-    first = keras_mp.LossScaleOptimizer(inner, name="first")
-    with pytest.raises(
-        ValueError, match="already wrapped by another LossScaleOptimizer \\('first'\\)"
-    ) as info:
-        keras_mp.LossScaleOptimizer(inner)
-    assert f"inner_optimizer=SGD(name={inner.name!r})" in str(info.value)
-    del first
-    gc.collect()
-    keras_mp.LossScaleOptimizer(inner)  # the first wrapper is gone
-
-
 def test_compiling_twice_with_one_optimizer_keeps_its_wrapper():
     model = keras.Sequential([keras.Input((3,)), keras.layers.Dense(1)])
     adam = keras.optimizers.Adam()
@@ -108,68 +80,6 @@ def test_compiling_twice_with_one_optimizer_keeps_its_wrapper():
     # A different loss scale for the same optimizer is a second wrapper: refused.
     with pytest.raises(ValueError, match="already wrapped"):
         model.compile(optimizer=adam, loss="mse", amp_level="O2", loss_scale=128.0)
-
-
-def test_unscaling_gradients_of_an_unscaled_loss_warns():
-    optimizer = keras_mp.LossScaleOptimizer(_sgd())
-    grads = [keras.ops.ones(2)]
-    with pytest.warns(
-        UserWarning, match="get_unscaled_gradients was called, but the loss was never"
-    ):
-        optimizer.get_unscaled_gradients(grads)
-    with warnings.catch_warnings():
-        warnings.simplefilter("error")
-        optimizer.get_scaled_loss(keras.ops.ones(()))
-        optimizer.get_unscaled_gradients(grads)
-
-
-@pytest.mark.skipif(keras.backend.backend() != "tensorflow", reason="tf.function")
-def test_a_loss_scaled_in_a_tf_function_does_not_warn_at_later_steps():
-    """tf.keras 2's loop with the gradients taken in a `tf.function` and
-    unscaled outside it: the function scales the loss in Python only when
-    it is traced, and the later steps are as scaled as the first."""
-    import tensorflow as tf
-
-    model = keras.Sequential([keras.Input((3,)), keras.layers.Dense(2)])
-    optimizer = keras_mp.LossScaleOptimizer(_sgd())
-
-    @tf.function
-    def gradients(x):
-        with tf.GradientTape() as tape:
-            loss = tf.reduce_mean(tf.square(model(x)))
-            scaled_loss = optimizer.get_scaled_loss(loss)
-        return tape.gradient(scaled_loss, model.trainable_variables)
-
-    with warnings.catch_warnings():
-        warnings.simplefilter("error")
-        for _ in range(3):
-            grads = optimizer.get_unscaled_gradients(gradients(np.ones((4, 3), "float32")))
-            optimizer.apply_gradients(zip(grads, model.trainable_variables))
-    assert int(keras.ops.convert_to_numpy(optimizer.iterations)) == 3
-
-
-@pytest.mark.parametrize(
-    "name, value",
-    [
-        ("use_ema", True),
-        ("clipnorm", 1.0),
-        ("global_clipnorm", 1.0),
-        ("clipvalue", 0.5),
-        ("weight_decay", 0.01),
-        ("gradient_accumulation_steps", 2),
-        ("ema_momentum", 0.9),
-    ],
-)
-def test_inner_settings_set_on_the_wrapper_are_refused_by_name(name, value):
-    optimizer = keras_mp.LossScaleOptimizer(keras.optimizers.Adam())
-    with pytest.raises(ValueError) as info:
-        setattr(optimizer, name, value)
-    message = str(info.value)
-    assert f"optimizer.inner_optimizer.{name} = {value!r}" in message
-    assert "inner optimizer (Adam)" in message and f"Received: {name}={value!r}" in message
-    setattr(optimizer, name, getattr(optimizer, name))  # an unchanged value passes
-    setattr(optimizer.inner_optimizer, name, value)  # where it belongs
-    assert getattr(optimizer.inner_optimizer, name) == value
 
 
 # -- Keras's own LossScaleOptimizer under amp_level -----------------------------

@@ -8,6 +8,7 @@ from hypothesis import settings
 from hypothesis import strategies as st
 
 import keras_mp
+from tests import models
 
 BACKEND = keras.backend.backend()
 
@@ -16,24 +17,6 @@ def _policies(model):
     return {
         layer.name: layer.dtype_policy.name for layer in model._flatten_layers(include_self=False)
     }
-
-
-def _cnn():
-    keras.utils.set_random_seed(0)
-    return keras.Sequential(
-        [
-            keras.Input((8, 8, 1)),
-            keras.layers.Conv2D(4, 3, name="conv"),
-            keras.layers.BatchNormalization(name="bn"),
-            keras.layers.ReLU(name="relu"),
-            keras.layers.Flatten(name="flatten"),
-            keras.layers.Dense(16, name="hidden"),
-            keras.layers.LayerNormalization(name="ln"),
-            keras.layers.Dense(3, name="logits"),
-            keras.layers.Softmax(name="probs"),
-        ],
-        name="cnn",
-    )
 
 
 EXPECTED = {
@@ -50,7 +33,7 @@ NAMES = ["conv", "bn", "relu", "flatten", "hidden", "ln", "logits", "probs"]
 @pytest.mark.parametrize("level", ["O0", "O1", "O2", "O3"])
 @pytest.mark.parametrize("built", [False, True], ids=["unbuilt", "built"])
 def test_levels_set_the_table_policies(level, half, built):
-    model = _cnn()
+    model = models.small_cnn()
     if built:
         model(np.zeros((1, 8, 8, 1), "float32"))
     assert keras_mp.apply_amp(model, level, half) is model
@@ -64,13 +47,13 @@ def test_levels_set_the_table_policies(level, half, built):
 
 
 def test_o3_keep_batchnorm_fp32():
-    model = keras_mp.apply_amp(_cnn(), "O3", keep_batchnorm_fp32=True)
+    model = keras_mp.apply_amp(models.small_cnn(), "O3", keep_batchnorm_fp32=True)
     assert _policies(model)["bn"] == "float32"
     assert _policies(model)["ln"] == "float16"
 
 
 def test_o3_converts_a_built_model_in_place():
-    model = _cnn()
+    model = models.small_cnn()
     x = np.random.default_rng(1).normal(size=(4, 8, 8, 1)).astype("float32")
     reference = keras.ops.convert_to_numpy(model(x))
     variables = list(model.weights)
@@ -125,7 +108,7 @@ def test_weights_created_with_their_own_dtype_keep_it(built):
 
 @pytest.mark.parametrize("built", [False, True], ids=["unbuilt", "built"])
 def test_o3_model_trains(built):
-    model = _cnn()
+    model = models.small_cnn()
     if built:
         model(np.zeros((1, 8, 8, 1), "float32"))
     keras_mp.apply_amp(model, "O3", "bfloat16")
@@ -208,33 +191,8 @@ def test_subclassed_model_and_rnn():
     assert model.norm.dtype_policy.name == "float32"
 
 
-@pytest.mark.parametrize("level", ["O2", "O3"])
-def test_subclassed_model_inputs_and_outputs_are_float32(level):
-    class Net(keras.Model):
-        def __init__(self, **kwargs):
-            super().__init__(**kwargs)
-            self.hidden = keras.layers.Dense(4)
-            self.logits = keras.layers.Dense(2)
-
-        def call(self, x):
-            return {"logits": self.logits(self.hidden(x)), "hidden": self.hidden(x)}
-
-    model = Net()
-    keras_mp.apply_amp(model, level)
-    keras_mp.apply_amp(model, level)  # idempotent: one cast, not two
-    assert model.logits.compute_dtype == "float16"
-    assert model.dtype_policy.name == "float32" and model.input_dtype == "float32"
-    outputs = model(np.ones((2, 3), "float32"))
-    assert {k: keras.backend.standardize_dtype(v.dtype) for k, v in outputs.items()} == {
-        "logits": "float32",
-        "hidden": "float32",
-    }
-    rule = keras_mp.precision_summary(model).rows[0]["rule"]
-    assert rule == f"{level}: model, float32 inputs and outputs"
-
-
 def test_allow_and_deny_extend_the_lists():
-    model = _cnn()
+    model = models.small_cnn()
     keras_mp.apply_amp(model, "O1", allow=["relu", keras.layers.Flatten])
     assert _policies(model)["relu"] == "mixed_float16"
     assert _policies(model)["flatten"] == "mixed_float16"
@@ -249,7 +207,7 @@ def test_allow_and_deny_extend_the_lists():
 def test_deny_wins_at_every_level(level, entry):
     """At O1 a Dense named in `deny=` computed in half all the same (Dense is
     on the allow-list), and at O3 `deny=` was not looked at."""
-    model = _cnn()
+    model = models.small_cnn()
     keras_mp.apply_amp(model, level, deny=[entry])
     hidden = model.get_layer("hidden")
     assert hidden.dtype_policy.name == "float32"
@@ -265,7 +223,7 @@ def test_o3_registers_the_converted_weights_with_pytorch():
     its parameters in a module of its own too; left stale there,
     `model.zero_grad()` (Keras's PyTorch step, the guides' GAN) cleared the
     old ones, and the new ones' gradients added up from step to step."""
-    model = _cnn()
+    model = models.small_cnn()
     keras_mp.apply_amp(model, "O3", "bfloat16")
     parameters = {id(p) for p in model.parameters()}
     assert all(id(v.value) in parameters for v in model.trainable_weights)
@@ -280,45 +238,6 @@ def test_to_float_sets_a_layer_and_its_sublayers():
     assert model.get_layer("head").dtype_policy.name == "float32"
     keras_mp.to_float(model.get_layer("mha"), "float32")
     assert model.get_layer("mha")._softmax.dtype_policy.name == "float32"
-
-
-def test_precision_summary_rows_and_text():
-    model = keras_mp.apply_amp(_cnn(), "O2")
-    summary = keras_mp.precision_summary(model)
-    rows = {r["layer"].split("/")[-1]: r for r in summary.rows}
-    assert rows["bn"]["compute_dtype"] == "float32"
-    assert rows["bn"]["rule"] == "O2 deny-list"
-    assert rows["conv"]["compute_dtype"] == "float16"
-    assert rows["conv"]["variable_dtype"] == "float32"
-    assert rows["probs"]["rule"] == "model output: float32"
-    for name in NAMES:
-        assert name in summary.text
-    printed = []
-    keras_mp.precision_summary(model, print_fn=printed.append)
-    assert printed == [summary.text] == [str(summary)] == [repr(summary)]
-
-
-def test_precision_summary_lists_nested_layers_in_their_order():
-    """Top to bottom as the model runs, a nested model's layers under it
-    (Keras's recursive layer walk lists them last to first)."""
-    inner = keras.Sequential(
-        [keras.layers.Dense(4, name="first"), keras.layers.ReLU(name="second")], name="inner"
-    )
-
-    class Outer(keras.Model):
-        def __init__(self):
-            super().__init__(name="outer")
-            self.inner = inner
-            self.head = keras.layers.Dense(2, name="head")
-
-        def call(self, x):
-            return self.head(self.inner(x))
-
-    model = Outer()
-    model(np.ones((1, 3), "float32"))
-    rows = keras_mp.precision_summary(keras_mp.apply_amp(model, "O2")).rows
-    names = [r["layer"].split("/")[-1] for r in rows if r["class"] != "InputLayer"]
-    assert names == ["outer", "inner", "first", "second", "head"]
 
 
 @pytest.mark.parametrize(
@@ -339,7 +258,7 @@ def test_precision_summary_lists_nested_layers_in_their_order():
 )
 def test_bad_input_is_named(call, error, fragment):
     with pytest.raises(error) as info:
-        call(_cnn())
+        call(models.small_cnn())
     assert fragment in str(info.value)
     assert "Received" in str(info.value)
 
@@ -441,33 +360,3 @@ def test_preprocessing_layers_keep_exact_outputs_and_train(level, half):
     assert rules["counts"] == "indices, counts and bins: float32 at every level"
     if BACKEND != "jax":
         assert rules["hash"] == "int64 outputs: kept"
-
-
-def test_boundary_rule_gives_the_caller_one_dtype():
-    """A composite layer adding its sublayers' outputs: float32 LayerNorm in
-    a float16 block (O2), float16 Dense in a float32 block (O1)."""
-
-    @keras.saving.register_keras_serializable(package="keras_mp_tests")
-    class Block(keras.layers.Layer):
-        def __init__(self, **kwargs):
-            super().__init__(**kwargs)
-            self.dense = keras.layers.Dense(8)
-            self.norm = keras.layers.LayerNormalization()
-
-        def call(self, x):
-            return x + self.norm(x) + self.dense(x)  # raw arithmetic on both
-
-    model = keras.Sequential([keras.Input((8,)), Block(name="block"), keras.layers.Dense(2)])
-    for level, block_dtype in [("O1", "float32"), ("O2", "float32"), ("O3", "float16")]:
-        keras_mp.apply_amp(model, level, allow=[] if level != "O2" else None)
-        block = model.get_layer("block")
-        assert block.compute_dtype == block_dtype, level
-        out = block(np.ones((2, 8), "float32"))
-        assert keras.backend.standardize_dtype(out.dtype) == block_dtype
-    # Opted into half at O2: LayerNorm (float32) returns float16 to it.
-    keras_mp.apply_amp(model, "O2", allow=[Block])
-    assert block.compute_dtype == "float16" and block.norm.compute_dtype == "float32"
-    out = block(np.ones((2, 8), "float32"))
-    assert keras.backend.standardize_dtype(out.dtype) == "float16"
-    rows = {r["layer"]: r["rule"] for r in keras_mp.precision_summary(model).rows}
-    assert any("returns float16 to block" in rule for rule in rows.values())

@@ -518,7 +518,7 @@ def test_optimizer_features_on_a_transformer(level, half):
     """AdamW's weight decay, EMA, global clipping and a schedule, under a level.
 
     Not O3 (CI time): O3's clipping, EMA and weight decay over float32 master
-    weights are tested in test_optimizer_features.py.
+    weights are tested in test_inner_optimizer.py.
     """
     model, x, y, loss = _build("bert")
     schedule = keras.optimizers.schedules.CosineDecay(1e-3, decay_steps=10, alpha=0.1)

@@ -1,4 +1,6 @@
-"""Every optimizer feature at every level, with float32 and half variables.
+"""The optimizer inside: one wrapper per inner optimizer, its settings set
+where they belong, and every optimizer feature at every level, with float32
+and half variables.
 
 At O3 a model holds half variables beside float32 ones (BatchNorm with
 `keep_batchnorm_fp32`, the output layer). Keras's optimizers assume one
@@ -8,9 +10,13 @@ weight updates with the same configuration in float32 (O0): the same
 direction and size, within the half dtype's precision.
 """
 
+import gc
+
 import keras
 import numpy as np
 import pytest
+
+import keras_mp
 
 STEPS = 4
 BATCH = 4
@@ -149,3 +155,40 @@ def test_adam_moves_bfloat16_weights_at_o3(master_weights):
         assert 0.9 <= moved <= 1.1, moved
     else:
         assert moved < 0.1, moved  # the documented reason for master weights
+
+
+def test_an_optimizer_is_wrapped_by_one_loss_scale_optimizer_only():
+    inner = keras.optimizers.SGD(0.01)
+    first = keras_mp.LossScaleOptimizer(inner, name="first")
+    with pytest.raises(
+        ValueError, match="already wrapped by another LossScaleOptimizer \\('first'\\)"
+    ) as info:
+        keras_mp.LossScaleOptimizer(inner)
+    assert f"inner_optimizer=SGD(name={inner.name!r})" in str(info.value)
+    del first
+    gc.collect()
+    keras_mp.LossScaleOptimizer(inner)  # the first wrapper is gone
+
+
+@pytest.mark.parametrize(
+    "name, value",
+    [
+        ("use_ema", True),
+        ("clipnorm", 1.0),
+        ("global_clipnorm", 1.0),
+        ("clipvalue", 0.5),
+        ("weight_decay", 0.01),
+        ("gradient_accumulation_steps", 2),
+        ("ema_momentum", 0.9),
+    ],
+)
+def test_inner_settings_set_on_the_wrapper_are_refused_by_name(name, value):
+    optimizer = keras_mp.LossScaleOptimizer(keras.optimizers.Adam())
+    with pytest.raises(ValueError) as info:
+        setattr(optimizer, name, value)
+    message = str(info.value)
+    assert f"optimizer.inner_optimizer.{name} = {value!r}" in message
+    assert "inner optimizer (Adam)" in message and f"Received: {name}={value!r}" in message
+    setattr(optimizer, name, getattr(optimizer, name))  # an unchanged value passes
+    setattr(optimizer.inner_optimizer, name, value)  # where it belongs
+    assert getattr(optimizer.inner_optimizer, name) == value

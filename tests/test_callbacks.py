@@ -1,4 +1,5 @@
-"""Loss-scale telemetry in `fit`'s logs, and `OverflowGuard`.
+"""The callbacks: loss-scale telemetry in `fit`'s logs (the progress bar, the
+epoch's logs, TensorBoard), and `OverflowGuard`.
 
 The logged values are checked step by step against the pure-Python reference
 state machine driven by the same finite/non-finite pattern, and at epoch ends

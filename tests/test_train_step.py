@@ -1,4 +1,4 @@
-"""`model.fit` with keras_mp's LossScaleOptimizer, with a NaN batch injected.
+"""`fit`'s train step under keras_mp (`train_step.py`): a NaN batch injected.
 
 The batch's step is skipped (weights bit-identical to the step before), the
 scale backs off, training goes on, and the run ends where a run without the

@@ -1,0 +1,146 @@
+"""The portable backend hooks (`backends/common.py`): the finiteness check,
+exact on every dtype, and unscaling in float32; run on every backend."""
+
+import keras
+import ml_dtypes
+import numpy as np
+import pytest
+from hypothesis import example
+from hypothesis import given
+from hypothesis import settings
+from hypothesis import strategies as st
+from keras import ops
+
+import keras_mp
+from keras_mp._src import backends
+
+BACKEND = keras.backend.backend()
+
+# These tests hand the optimizer gradients they scaled themselves, which
+# the optimizer's warning of a loss never scaled tells to ignore.
+pytestmark = pytest.mark.filterwarnings(
+    r"ignore:LossScaleOptimizer\.\w+ was called, but the loss was never scaled"
+)
+
+# TensorFlow's XLA step as compiled for a CPU: on a GPU the skip is selects
+# (`keep_conditional`) and the tensors live in the GPU's memory.
+tensorflow_xla_on_cpu = pytest.mark.skipif(
+    BACKEND != "tensorflow" or bool(backends.current.gpu_compute_capability()),
+    reason="TensorFlow's XLA step on a CPU",
+)
+
+
+def _numpy(x):
+    return np.asarray(keras.ops.convert_to_numpy(x))
+
+
+def _tensor(values, dtype="float32"):
+    return ops.convert_to_tensor(np.asarray(values, dtype=dtype))
+
+
+def _snapshot(optimizer, variables):
+    return [_numpy(v).copy() for v in list(variables) + list(optimizer.variables)]
+
+
+def _compiled(fn, mode):
+    """`fn` as `fit` runs it: eager, or traced by the backend's compiler."""
+    if mode == "eager":
+        return fn
+    if BACKEND == "jax":
+        import jax
+
+        return jax.jit(fn)
+    import tensorflow as tf
+
+    return tf.function(fn, jit_compile=(mode == "xla"))
+
+
+COMPILE_MODES = {
+    "tensorflow": ["eager", "graph", "xla"],
+    "jax": ["eager", "jit"],
+    "torch": ["eager"],
+}[BACKEND]
+
+_SHAPES = [(), (0,), (3,), (1, 5), (4, 3), (2, 3, 2), (3, 3, 2, 4)]
+
+
+@st.composite
+def _gradient_lists(draw):
+    dtype = draw(st.sampled_from(["float32", "float16"]))
+    big = np.finfo(dtype).max
+    grads = []
+    for shape in draw(st.lists(st.sampled_from(_SHAPES), min_size=1, max_size=4)):
+        size = int(np.prod(shape))
+        values = draw(
+            st.lists(
+                st.one_of(
+                    st.floats(-4.0, 4.0, width=16),
+                    st.sampled_from([np.inf, -np.inf, np.nan, big, -big]),
+                ),
+                min_size=size,
+                max_size=size,
+            )
+        )
+        grads.append(np.asarray(values, dtype).reshape(shape))
+    return grads
+
+
+@pytest.mark.parametrize(
+    "grads, expected",
+    [
+        ([[1.0, 2.0], [3.0]], True),
+        ([[3e38, 3e38], [3e38]], True),  # the sum overflows, the values do not
+        ([[1.0, np.inf], [3.0]], False),
+        ([[1.0, 2.0], [-np.inf]], False),
+        ([[np.nan, 2.0], [3.0]], False),
+        ([[np.inf, -np.inf], [3.0]], False),  # the sum would be nan anyway
+    ],
+)
+@pytest.mark.parametrize("dtype", ["float32", "float16", "bfloat16"])
+@pytest.mark.parametrize("mode", ["eager", "compiled"])
+def test_all_finite_is_exact(grads, expected, dtype, mode):
+    """bfloat16 has float32's range: its float32 sums overflow as float32's do."""
+    if dtype == "float16":
+        grads = [[min(v, 6e4) if np.isfinite(v) else v for v in g] for g in grads]
+    dtype = ml_dtypes.bfloat16 if dtype == "bfloat16" else dtype
+    tensors = [_tensor(g, dtype) for g in grads] + [None]
+    check = _compiled(
+        backends.current.all_finite, COMPILE_MODES[-1] if mode == "compiled" else mode
+    )
+    assert bool(_numpy(check(tensors))) is expected
+
+
+def test_all_finite_mixed_dtypes():
+    grads = [_tensor([1.0], "float16"), _tensor([np.inf], "float32")]
+    assert not bool(_numpy(backends.current.all_finite(grads)))
+    grads = [_tensor([np.inf], "float16"), _tensor([1.0], "float32")]
+    assert not bool(_numpy(backends.current.all_finite(grads)))
+
+
+@pytest.mark.parametrize("mode", COMPILE_MODES)
+@settings(max_examples=25, deadline=None, derandomize=True)
+@given(grads=_gradient_lists())
+# The sum of finite values overflows: still finite (the exact check decides).
+@example(grads=[np.full((4, 3), np.finfo("float32").max, "float32")])
+@example(grads=[np.full((2, 3, 2), -3e38, "float32"), np.full((3,), 3e38, "float32")])
+@example(grads=[np.full((4, 3), 3e38, "float32"), np.array([1.0, np.nan], "float32")])
+def test_all_finite_matches_numpy(mode, grads):
+    """Any shapes, dtypes and values, eager and compiled: numpy's answer.
+
+    Sums of the largest finite values overflow; the answer must not change.
+    """
+    expected = all(np.all(np.isfinite(g)) for g in grads)
+    check = _compiled(lambda gs: backends.current.all_finite(gs), mode)
+    tensors = [ops.convert_to_tensor(g) for g in grads]
+    assert bool(_numpy(check(tensors))) is expected
+
+
+def test_unscaling_is_float32_for_float16_gradients():
+    """A scale above float16's max (65504) must not become inf in the division."""
+    variable = keras.Variable(np.zeros(2, np.float16), dtype="float16")
+    optimizer = keras_mp.LossScaleOptimizer(
+        keras.optimizers.SGD(1.0), initial_scale=2.0**20, max_scale=2.0**24
+    )
+    # The true gradient 2**-10 scaled by 2**20 is 1024, representable in float16.
+    optimizer.apply([_tensor([1024.0, 2048.0], "float16")], [variable])
+    np.testing.assert_array_equal(_numpy(variable), np.array([-(2.0**-10), -(2.0**-9)], np.float16))

@@ -1,0 +1,179 @@
+"""JAX (`backends/jax.py`): the skip as a `lax.cond` or as selects, each
+compiled once."""
+
+import keras
+import numpy as np
+import pytest
+from keras import ops
+
+import keras_mp
+from keras_mp._src import backends
+
+BACKEND = keras.backend.backend()
+
+# These tests hand the optimizer gradients they scaled themselves, which
+# the optimizer's warning of a loss never scaled tells to ignore.
+pytestmark = pytest.mark.filterwarnings(
+    r"ignore:LossScaleOptimizer\.\w+ was called, but the loss was never scaled"
+)
+
+# TensorFlow's XLA step as compiled for a CPU: on a GPU the skip is selects
+# (`keep_conditional`) and the tensors live in the GPU's memory.
+tensorflow_xla_on_cpu = pytest.mark.skipif(
+    BACKEND != "tensorflow" or bool(backends.current.gpu_compute_capability()),
+    reason="TensorFlow's XLA step on a CPU",
+)
+
+
+def _numpy(x):
+    return np.asarray(keras.ops.convert_to_numpy(x))
+
+
+def _tensor(values, dtype="float32"):
+    return ops.convert_to_tensor(np.asarray(values, dtype=dtype))
+
+
+def _snapshot(optimizer, variables):
+    return [_numpy(v).copy() for v in list(variables) + list(optimizer.variables)]
+
+
+@pytest.mark.skipif(BACKEND != "jax", reason="JAX's two forms of the skip")
+def test_jax_skip_form_follows_the_platform(monkeypatch):
+    import jax
+
+    monkeypatch.delenv("KERAS_MP_JAX_SKIP_FORM", raising=False)
+    monkeypatch.setattr(jax, "default_backend", lambda: "cpu")
+    assert not backends.current.skips_by_select()
+    for platform in ("gpu", "tpu"):
+        monkeypatch.setattr(jax, "default_backend", lambda: platform)
+        assert backends.current.skips_by_select()
+    monkeypatch.setenv("KERAS_MP_JAX_SKIP_FORM", "cond")  # the documented switch
+    assert not backends.current.skips_by_select()
+    monkeypatch.setenv("KERAS_MP_JAX_SKIP_FORM", "sometimes")
+    with pytest.raises(ValueError, match="KERAS_MP_JAX_SKIP_FORM='sometimes'"):
+        backends.current.skips_by_select()
+
+
+@pytest.mark.perf
+@pytest.mark.skipif(BACKEND != "jax", reason="JAX's two forms of the skip")
+def test_jax_select_form_has_no_conditional(jax_skip_form):
+    """A GPU waits for the device at each `cond`: the select form has none."""
+    import jax
+
+    optimizer = keras_mp.LossScaleOptimizer(keras.optimizers.Adam(0.1))
+    variables = [
+        keras.Variable(np.ones((2, 2), np.float32)),
+        keras.Variable(np.ones(2, np.float32)),
+    ]
+    optimizer.build(variables)
+    grads = [_tensor(np.ones((2, 2))), _tensor(np.ones(2))]
+    jaxpr = str(
+        jax.make_jaxpr(optimizer.stateless_apply)(
+            [v.value for v in optimizer.variables], grads, [v.value for v in variables]
+        )
+    )
+    assert ("cond[" in jaxpr) == (jax_skip_form == "cond"), jaxpr
+
+
+@pytest.mark.perf
+@pytest.mark.skipif(BACKEND != "jax", reason="JAX's select form of the skip")
+@pytest.mark.parametrize(
+    "master_weights",
+    [
+        False,
+        # Left: the master copy and the half weight are still copied once
+        # (the copy is chosen after its reconciliation, in a second select).
+        pytest.param(True, marks=pytest.mark.xfail(strict=True, reason="copies the master")),
+    ],
+)
+def test_jax_select_form_copies_no_slot(monkeypatch, master_weights):
+    """The select form updates the slots in place, as the plain step does.
+
+    Selected only after the inner optimizer's update, the weight update
+    recomputed Adam's new moments from the old ones while the moments were
+    written in place: XLA copied every moment buffer first, a read and a
+    write of the optimizer's state per step (`benchmarks/hlo_census.py`).
+    """
+    import jax
+
+    monkeypatch.setenv("KERAS_MP_JAX_SKIP_FORM", "select")
+    dtype = "float16" if master_weights else "float32"
+    optimizer = keras_mp.LossScaleOptimizer(
+        keras.optimizers.Adam(0.1), master_weights=master_weights
+    )
+    variables = [keras.Variable(np.ones((64, 32)), dtype=dtype), keras.Variable(np.ones(32))]
+    optimizer.build(variables)
+    grads = [_tensor(np.ones((64, 32)), dtype), _tensor(np.ones(32))]
+
+    def apply(optimizer_values, grads, trainable_values):
+        # Outputs in the donated inputs' order, as Keras's trainer has them.
+        new_trainable, new_optimizer = optimizer.stateless_apply(
+            optimizer_values, grads, trainable_values
+        )
+        return new_optimizer, new_trainable
+
+    step = jax.jit(apply, donate_argnums=(0, 2))
+    hlo = (
+        step.lower([v.value for v in optimizer.variables], grads, [v.value for v in variables])
+        .compile()
+        .as_text()
+    )
+    entry = hlo[hlo.index("ENTRY") :]
+    copies = [line for line in entry.splitlines() if " copy(" in line and "[64,32]" in line]
+    assert not copies, "\n".join(copies)
+
+
+@pytest.mark.perf
+@pytest.mark.skipif(BACKEND != "jax", reason="eager apply on JAX")
+def test_eager_apply_on_jax_compiles_its_step_once(jax_skip_form):
+    """Eagerly, the skip's `lax.cond` would be traced and compiled at every
+    call; `apply` compiles the step once, and
+    its results are those of the same steps run op by op (to a float32
+    rounding: XLA may fuse Adam's arithmetic differently)."""
+    import jax
+
+    def optimizer_and_variable():
+        optimizer = keras_mp.LossScaleOptimizer(keras.optimizers.Adam(0.1), initial_scale=16.0)
+        variable = keras.Variable(np.linspace(-1.0, 1.0, 3).astype(np.float32))
+        optimizer.build([variable])
+        return optimizer, variable
+
+    optimizer, variable = optimizer_and_variable()
+    reference, reference_variable = optimizer_and_variable()
+    traced = []
+    check_finite = optimizer.check_finite
+    optimizer.check_finite = lambda grads: traced.append(1) or check_finite(grads)
+    good = _tensor(np.array([3.0, -2.0, 0.5]))
+    bad = _tensor(np.array([np.inf, 1.0, 1.0]))
+    for grad in [good, bad, good, bad, bad, good]:
+        optimizer.apply([grad], [variable])
+        with jax.disable_jit():  # every op on its own, `cond` as a Python `if`
+            reference.apply([grad], [reference_variable])
+    assert len(traced) == 1
+    np.testing.assert_allclose(_numpy(variable), _numpy(reference_variable), rtol=1e-6)
+    for slot, reference_slot in zip(optimizer.variables, reference.variables):
+        np.testing.assert_allclose(
+            _numpy(slot), _numpy(reference_slot), rtol=1e-6, err_msg=slot.path
+        )
+    assert int(_numpy(optimizer.skipped_steps)) == 3
+    assert int(_numpy(optimizer.iterations)) == 3
+    assert float(_numpy(optimizer.loss_scale)) == 2.0
+
+
+@pytest.mark.perf
+@pytest.mark.skipif(BACKEND != "jax", reason="eager check on JAX")
+def test_eager_check_finite_on_jax_traces_its_cond_once(monkeypatch):
+    """`check_finite` called eagerly: the `cond` of its exact fallback is
+    traced once per shape, not compiled again at every call."""
+    monkeypatch.setenv("KERAS_MP_JAX_SKIP_FORM", "cond")
+    traces = backends.current.TRACE_COUNTS["exact_all_finite"]
+    optimizer = keras_mp.LossScaleOptimizer(keras.optimizers.SGD(0.1))
+    # Shapes no other test uses: JAX caches a trace per function and shapes.
+    finite = [_tensor(np.ones((13, 3))), _tensor(np.ones(3))]
+    nan = [_tensor(np.ones((13, 3))), _tensor(np.array([1.0, np.nan, 1.0]))]
+    huge = [_tensor(np.full((13, 3), 3e38)), _tensor(np.ones(3))]  # its sum overflows
+    answers = [
+        bool(_numpy(optimizer.check_finite(g))) for g in [finite, nan, huge, finite, nan, huge]
+    ]
+    assert answers == [True, False, True] * 2
+    assert backends.current.TRACE_COUNTS["exact_all_finite"] == traces + 1

@@ -1,0 +1,109 @@
+"""Warnings of a loss that never reached `scale_loss`, once per optimizer."""
+
+import warnings
+
+import keras
+import numpy as np
+import pytest
+from keras import ops
+
+import keras_mp
+from keras_mp._src import backends
+from tests.loops import check_loop_result
+from tests.loops import loop_data
+from tests.loops import loop_model
+
+BACKEND = keras.backend.backend()
+
+# These tests hand the optimizer gradients they scaled themselves, which
+# the optimizer's warning of a loss never scaled tells to ignore.
+pytestmark = pytest.mark.filterwarnings(
+    r"ignore:LossScaleOptimizer\.\w+ was called, but the loss was never scaled"
+)
+
+# TensorFlow's XLA step as compiled for a CPU: on a GPU the skip is selects
+# (`keep_conditional`) and the tensors live in the GPU's memory.
+tensorflow_xla_on_cpu = pytest.mark.skipif(
+    BACKEND != "tensorflow" or bool(backends.current.gpu_compute_capability()),
+    reason="TensorFlow's XLA step on a CPU",
+)
+
+
+def _numpy(x):
+    return np.asarray(keras.ops.convert_to_numpy(x))
+
+
+def _tensor(values, dtype="float32"):
+    return ops.convert_to_tensor(np.asarray(values, dtype=dtype))
+
+
+def _snapshot(optimizer, variables):
+    return [_numpy(v).copy() for v in list(variables) + list(optimizer.variables)]
+
+
+@pytest.mark.skipif(BACKEND != "jax", reason="jax.jit loop")
+@pytest.mark.parametrize("scope", [True, False], ids=["stateless_scope", "no_scope"])
+def test_jitted_jax_loop_scales_by_the_steps_own_scale(scope):
+    """Under `jax.jit` the scale must come from the step's optimizer values
+    (a StatelessScope, as Keras's JAX step and the README's example do); read
+    from the variable it is a constant of the trace, which keras_mp says."""
+    import jax
+
+    x, y = loop_data()
+    model = loop_model()
+    optimizer = keras_mp.LossScaleOptimizer(keras.optimizers.SGD(0.1), initial_scale=2.0**12)
+    optimizer.build(model.trainable_variables)
+
+    def loss_fn(trainable, optimizer_values):
+        pred, _ = model.stateless_call(trainable, [], x)
+        loss = jax.numpy.mean(jax.numpy.square(pred - y))
+        if not scope:
+            return optimizer.scale_loss(loss)
+        with keras.StatelessScope(state_mapping=list(zip(optimizer.variables, optimizer_values))):
+            return optimizer.scale_loss(loss)
+
+    @jax.jit
+    def train_step(trainable, optimizer_values):
+        grads = jax.grad(loss_fn)(trainable, optimizer_values)
+        return optimizer.stateless_apply(optimizer_values, grads, trainable)
+
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        trainable, _ = train_step(
+            [v.value for v in model.trainable_variables], [v.value for v in optimizer.variables]
+        )
+    told = [str(w.message) for w in caught if "StatelessScope" in str(w.message)]
+    assert len(told) == (0 if scope else 1)
+    for variable, value in zip(model.trainable_variables, trainable):
+        variable.assign(value)
+    check_loop_result(model, x, y)
+
+
+@pytest.mark.skipif(BACKEND != "jax", reason="JAX's fit")
+def test_jax_train_step_scaling_outside_its_state_is_told_how():
+    """Inside JAX's `fit` the optimizer's variables hold no value (the step
+    carries the state): `scale_loss` outside a StatelessScope says how to
+    scale, instead of Keras's "'NoneType' object is not callable"."""
+    import jax
+
+    class Unmapped(keras.Model):
+        def train_step(self, state, data):
+            trainables, non_trainables, optimizer_variables, metrics_variables = state
+            x, y = data
+
+            def loss_fn(trainables):
+                y_pred, _ = self.stateless_call(trainables, non_trainables, x, training=True)
+                return self.optimizer.scale_loss(self.compute_loss(x, y, y_pred))
+
+            grads = jax.grad(loss_fn)(trainables)
+            trainables, optimizer_variables = self.optimizer.stateless_apply(
+                optimizer_variables, grads, trainables
+            )
+            return {}, (trainables, non_trainables, optimizer_variables, metrics_variables)
+
+    x, y = loop_data()
+    inputs = keras.Input((3,))
+    model = Unmapped(inputs, keras.layers.Dense(2)(inputs))
+    model.compile(optimizer="sgd", loss="mse", amp_level="O2")
+    with pytest.raises(ValueError, match=r"(?s)inside `fit`.*keras.StatelessScope\(state_mapping"):
+        model.fit(x, y, verbose=0)
