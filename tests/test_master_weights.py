@@ -256,26 +256,6 @@ def test_weight_decay_and_its_exclusions_at_o3(dtype, master_weights):
         assert error < rtol, (path, error)
 
 
-def test_compensated_updates_keep_no_float32_copy():
-    """Adam, O3 bfloat16: a half variable costs its buffer and two bfloat16
-    slots (6 bytes a weight) instead of a float32 copy and float32 slots (12)."""
-
-    def optimizer_bytes(master_weights):
-        model = _compiled(keras.optimizers.Adam(1e-3), master_weights=master_weights)
-        model.optimizer.build(model.trainable_variables)
-        size = {"float32": 4, "float16": 2, "bfloat16": 2}
-        arrays = [v for v in model.optimizer.variables if len(v.shape)]  # not the counters
-        return sum(int(np.prod(v.shape)) * size[v.dtype] for v in arrays), model
-
-    compensated, model = optimizer_bytes("compensated")
-    masters, _ = optimizer_bytes(True)
-    half = sum(int(np.prod(v.shape)) for v in _half_weights(model))
-    full = sum(int(np.prod(v.shape)) for v in model.trainable_variables) - half
-    assert half > 0
-    assert compensated == 6 * half + 8 * full
-    assert masters == 12 * half + 8 * full
-
-
 def test_master_weights_need_a_bool_and_agree_with_the_optimizer():
     with pytest.raises(TypeError, match="master_weights=1"):
         _compiled("sgd", master_weights=1)

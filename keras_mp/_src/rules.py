@@ -286,11 +286,17 @@ def decide(layer, place, rules=RULES):
 
     None keeps the layer's own policy (`KEEP`).
     """
+    rule = first_rule(layer, place, rules)
+    if rule.note is not None:
+        rule.note(layer)
+    return _policy(rule.policy, place.amp), _reason(rule.reason, layer, place.amp)
+
+
+def first_rule(layer, place, rules=RULES):
+    """The row of `rules` that decides for `layer`."""
     for rule in rules:
         if all(condition(layer, place) for condition in rule.when):
-            if rule.note is not None:
-                rule.note(layer)
-            return _policy(rule.policy, place.amp), _reason(rule.reason, layer, place.amp)
+            return rule
     raise AssertionError("the last rule holds for every layer")  # pragma: no cover
 
 

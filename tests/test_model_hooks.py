@@ -1,0 +1,109 @@
+"""What keras_mp changes in Keras's Model beyond compile (`model_hooks.py`):
+half additional losses summed in floatx, and `fit` wrapping a bare optimizer."""
+
+import keras
+import numpy as np
+import pytest
+
+import keras_mp
+
+
+def _numpy(x):
+    return np.asarray(keras.ops.convert_to_numpy(x))
+
+
+def _data():
+    rng = np.random.default_rng(0)
+    x = rng.normal(size=(96, 8)).astype("float32")
+    return x, (x[:, 0] + x[:, 1] > 0).astype("int32")
+
+
+class AddsItsOwnLoss(keras.layers.Layer):
+    """A user's layer with `add_loss` in its compute dtype (a VAE's KL term)."""
+
+    def call(self, x):
+        self.add_loss(0.5 * keras.ops.mean(keras.ops.square(x)))
+        return x
+
+
+def _regularized_model():
+    keras.utils.set_random_seed(3)
+    inputs = keras.Input((8,))
+    h = keras.layers.Dense(
+        16,
+        activation="relu",
+        kernel_regularizer=keras.regularizers.L2(0.05),
+        activity_regularizer=keras.regularizers.L2(0.01),
+    )(inputs)
+    h = keras.layers.ActivityRegularization(l1=0.01)(h)
+    h = AddsItsOwnLoss()(h)
+    outputs = keras.layers.Dense(2, activation="softmax")(h)
+    return keras.Model(inputs, outputs)
+
+
+REGULARIZED = [("O1", "float16"), ("O2", "bfloat16"), ("O3", "float16"), ("O3", "bfloat16")]
+
+
+@pytest.mark.parametrize("how", ["compile", "apply_amp"])
+@pytest.mark.parametrize("level, half", REGULARIZED, ids=["-".join(c) for c in REGULARIZED])
+def test_regularization_and_add_loss_count_in_float32(level, half, how):
+    """Activity regularization, `add_loss` in a half layer and O3's
+    `kernel_regularizer` on half weights give half losses; Keras sums them
+    with the float32 loss, which TensorFlow refused (a TypeError at the
+    first step, as under Keras's own `mixed_float16`; tf.keras 2 trained
+    them). Through `compile(amp_level=...)` or `apply_amp` and a plain
+    `compile`, each level's first loss is the float32 model's,
+    regularization included, within the half dtype's rounding."""
+    x, y = _data()
+
+    def losses_and_model(level=None):
+        model = _regularized_model()
+        amp, optimizer = {}, keras.optimizers.Adam(1e-2)
+        if level is not None and how == "compile":
+            amp = {"amp_level": level, "amp_dtype": half}
+        elif level is not None:
+            keras_mp.apply_amp(model, level, half)
+            optimizer = keras_mp.LossScaleOptimizer(optimizer)
+        model.compile(optimizer=optimizer, loss="sparse_categorical_crossentropy", **amp)
+        # One batch a step: each step's loss is taken before its update.
+        history = model.fit(x, y, batch_size=len(x), epochs=2, verbose=0)
+        return history.history["loss"], model
+
+    float32_losses, _ = losses_and_model()
+    predictions = _regularized_model().predict(x, verbose=0)  # the same weights, float32
+    without_regularization = float(
+        _numpy(keras.losses.sparse_categorical_crossentropy(y, predictions)).mean()
+    )
+    # What the test is about: the added losses are a good part of the total.
+    assert float32_losses[0] > without_regularization + 0.1, (
+        float32_losses,
+        without_regularization,
+    )
+
+    losses, model = losses_and_model(level)
+    rtol = 2e-2 if half == "bfloat16" else 5e-3
+    np.testing.assert_allclose(losses[0], float32_losses[0], rtol=rtol)
+    assert losses[1] < losses[0]  # and it trains
+    assert all(np.isfinite(_numpy(w)).all() for w in model.trainable_variables)
+
+
+def test_fit_wraps_the_bare_optimizer_of_a_model_made_half_after_compile(capsys):
+    """`apply_amp` after `compile`: the model's Adam is bare, and its float16
+    gradients would go unscaled. `fit` wraps it first, says so, and trains;
+    a model keras_mp did not touch keeps its optimizer as given."""
+    x, y = _data()
+    model = keras.Sequential([keras.Input((8,)), keras.layers.Dense(2, activation="softmax")])
+    adam = keras.optimizers.Adam(1e-2)
+    model.compile(optimizer=adam, loss="sparse_categorical_crossentropy")
+    keras_mp.apply_amp(model, "O2")
+    history = model.fit(x, y, epochs=2, verbose=0)
+    assert isinstance(model.optimizer, keras_mp.LossScaleOptimizer)
+    assert model.optimizer.inner_optimizer is adam and model.optimizer.dynamic
+    assert "keras_mp: wrapped `optimizer` (Adam" in capsys.readouterr().out
+    assert history.history["loss"][1] < history.history["loss"][0]
+
+    plain = keras.Sequential([keras.Input((8,)), keras.layers.Dense(2, activation="softmax")])
+    sgd = keras.optimizers.SGD()
+    plain.compile(optimizer=sgd, loss="sparse_categorical_crossentropy")
+    plain.fit(x, y, epochs=1, verbose=0)
+    assert plain.optimizer is sgd
