@@ -9,39 +9,18 @@ import pytest
 from hypothesis import given
 from hypothesis import settings
 from hypothesis import strategies as st
-from keras import ops
 
 import keras_mp
-from keras_mp._src import backends
-from tests.loops import check_loop_result as _check_loop_result
-from tests.loops import loop_data as _loop_data
-from tests.loops import loop_model as _loop_model
+from tests.loops import check_loop_result
+from tests.loops import loop_data
+from tests.loops import loop_model
+from tests.steps import BACKEND
+from tests.steps import SCALED_BY_HAND
+from tests.steps import numpy
+from tests.steps import snapshot
+from tests.steps import tensor
 
-# These tests hand the optimizer gradients they scaled themselves, which
-# the optimizer's warning of a loss never scaled tells to ignore.
-pytestmark = pytest.mark.filterwarnings(
-    r"ignore:LossScaleOptimizer\.\w+ was called, but the loss was never scaled"
-)
-
-BACKEND = keras.backend.backend()
-# TensorFlow's XLA step as compiled for a CPU: on a GPU the skip is selects
-# (`keep_conditional`) and the tensors live in the GPU's memory.
-tensorflow_xla_on_cpu = pytest.mark.skipif(
-    BACKEND != "tensorflow" or bool(backends.current.gpu_compute_capability()),
-    reason="TensorFlow's XLA step on a CPU",
-)
-
-
-def _numpy(x):
-    return np.asarray(keras.ops.convert_to_numpy(x))
-
-
-def _tensor(values, dtype="float32"):
-    return ops.convert_to_tensor(np.asarray(values, dtype=dtype))
-
-
-def _snapshot(optimizer, variables):
-    return [_numpy(v).copy() for v in list(variables) + list(optimizer.variables)]
+pytestmark = SCALED_BY_HAND
 
 
 # -- the public surface ---------------------------------------------------------
@@ -84,9 +63,9 @@ def test_compile_does_not_wrap_twice():
 def test_learning_rate_is_the_inner_one():
     inner = keras.optimizers.SGD(0.25)
     optimizer = keras_mp.LossScaleOptimizer(inner)
-    assert float(_numpy(optimizer.learning_rate)) == 0.25
+    assert float(numpy(optimizer.learning_rate)) == 0.25
     optimizer.learning_rate = 0.5
-    assert float(_numpy(inner.learning_rate)) == 0.5
+    assert float(numpy(inner.learning_rate)) == 0.5
 
 
 # -- bad arguments -------------------------------------------------------------
@@ -196,12 +175,12 @@ def test_skipped_step_leaves_everything_bit_identical(bad, jax_skip_form):
         keras.Variable(np.ones((2, 2), np.float32)),
     ]
     optimizer.build(variables)
-    good = [_tensor([1.0, -2.0, 3.0, 4.0]), _tensor([[1.0, 2.0], [3.0, 4.0]])]
+    good = [tensor([1.0, -2.0, 3.0, 4.0]), tensor([[1.0, 2.0], [3.0, 4.0]])]
     optimizer.apply(good, variables)  # non-zero slots
-    before = _snapshot(optimizer, variables)
-    iterations = int(_numpy(optimizer.iterations))
-    optimizer.apply([good[0], _tensor([[1.0, bad], [3.0, 4.0]])], variables)
-    after = _snapshot(optimizer, variables)
+    before = snapshot(optimizer, variables)
+    iterations = int(numpy(optimizer.iterations))
+    optimizer.apply([good[0], tensor([[1.0, bad], [3.0, 4.0]])], variables)
+    after = snapshot(optimizer, variables)
     state_paths = {"loss_scale", "good_steps", "skipped_steps"}
     names = [v.path.split("/")[-1] for v in variables] + [
         v.path.split("/")[-1] for v in optimizer.variables
@@ -209,9 +188,9 @@ def test_skipped_step_leaves_everything_bit_identical(bad, jax_skip_form):
     for name, b, a in zip(names, before, after):
         if name not in state_paths:
             np.testing.assert_array_equal(a, b, err_msg=name)
-    assert int(_numpy(optimizer.iterations)) == iterations
-    assert int(_numpy(optimizer.skipped_steps)) == 1
-    assert float(_numpy(optimizer.loss_scale)) == 2.0
+    assert int(numpy(optimizer.iterations)) == iterations
+    assert int(numpy(optimizer.skipped_steps)) == 1
+    assert float(numpy(optimizer.loss_scale)) == 2.0
 
 
 def test_fixed_scale_without_skipping_applies_every_step():
@@ -219,11 +198,11 @@ def test_fixed_scale_without_skipping_applies_every_step():
         keras.optimizers.SGD(1.0), dynamic=False, initial_scale=2.0, skip_on_overflow=False
     )
     variable = keras.Variable(np.zeros(2, np.float32))
-    optimizer.apply([_tensor([np.inf, 2.0])], [variable])
-    np.testing.assert_array_equal(_numpy(variable), [-np.inf, -1.0])
-    assert int(_numpy(optimizer.iterations)) == 1
-    assert int(_numpy(optimizer.skipped_steps)) == 0
-    assert float(_numpy(optimizer.loss_scale)) == 2.0
+    optimizer.apply([tensor([np.inf, 2.0])], [variable])
+    np.testing.assert_array_equal(numpy(variable), [-np.inf, -1.0])
+    assert int(numpy(optimizer.iterations)) == 1
+    assert int(numpy(optimizer.skipped_steps)) == 0
+    assert float(numpy(optimizer.loss_scale)) == 2.0
 
 
 def test_fixed_scale_skips_but_keeps_the_scale():
@@ -232,11 +211,11 @@ def test_fixed_scale_skips_but_keeps_the_scale():
     )
     variable = keras.Variable(np.zeros(2, np.float32))
     for _ in range(3):
-        optimizer.apply([_tensor([np.nan, 2.0])], [variable])
-    optimizer.apply([_tensor([1024.0, 2048.0])], [variable])
-    np.testing.assert_array_equal(_numpy(variable), [-1.0, -2.0])
-    assert float(_numpy(optimizer.loss_scale)) == 1024.0
-    assert int(_numpy(optimizer.skipped_steps)) == 3
+        optimizer.apply([tensor([np.nan, 2.0])], [variable])
+    optimizer.apply([tensor([1024.0, 2048.0])], [variable])
+    np.testing.assert_array_equal(numpy(variable), [-1.0, -2.0])
+    assert float(numpy(optimizer.loss_scale)) == 1024.0
+    assert int(numpy(optimizer.skipped_steps)) == 3
 
 
 # -- the finiteness check --------------------------------------------------------
@@ -251,11 +230,11 @@ def test_unscaled_gradient_reaches_clipping():
     optimizer = keras_mp.LossScaleOptimizer(inner, initial_scale=2.0**10)
     variable = keras.Variable(np.zeros(2, np.float32))
     # Unscaled: [0.3, 0.4], norm 0.5 < 1: no clipping. Scaled: norm 512.
-    optimizer.apply([_tensor([0.3 * 1024, 0.4 * 1024])], [variable])
-    np.testing.assert_allclose(_numpy(variable), [-0.3, -0.4], rtol=1e-6)
+    optimizer.apply([tensor([0.3 * 1024, 0.4 * 1024])], [variable])
+    np.testing.assert_allclose(numpy(variable), [-0.3, -0.4], rtol=1e-6)
     # Unscaled [3, 4], norm 5: clipped to norm 1.
-    optimizer.apply([_tensor([3.0 * 1024, 4.0 * 1024])], [variable])
-    np.testing.assert_allclose(_numpy(variable), [-0.9, -1.2], rtol=1e-6)
+    optimizer.apply([tensor([3.0 * 1024, 4.0 * 1024])], [variable])
+    np.testing.assert_allclose(numpy(variable), [-0.9, -1.2], rtol=1e-6)
 
 
 @pytest.mark.parametrize(
@@ -266,8 +245,8 @@ def test_other_clipping_sees_unscaled_gradients(clip, expected):
     optimizer = keras_mp.LossScaleOptimizer(keras.optimizers.SGD(1.0, **clip), initial_scale=256.0)
     variable = keras.Variable(np.zeros(2, np.float32))
     grad = [3.0, 0.5] if "clipvalue" in clip else [3.0, 4.0]
-    optimizer.apply([_tensor(np.array(grad) * 256.0)], [variable])
-    np.testing.assert_allclose(_numpy(variable), expected, rtol=1e-6)
+    optimizer.apply([tensor(np.array(grad) * 256.0)], [variable])
+    np.testing.assert_allclose(numpy(variable), expected, rtol=1e-6)
 
 
 def test_gradient_accumulation_drops_only_the_bad_micro_batch(jax_skip_form):
@@ -275,15 +254,15 @@ def test_gradient_accumulation_drops_only_the_bad_micro_batch(jax_skip_form):
     optimizer = keras_mp.LossScaleOptimizer(inner, initial_scale=4.0, dynamic_growth_steps=100)
     variable = keras.Variable(np.zeros(2, np.float32))
     optimizer.build([variable])
-    optimizer.apply([_tensor([4.0, 8.0])], [variable])  # accumulated: [1, 2]
-    np.testing.assert_array_equal(_numpy(variable), [0.0, 0.0])
-    optimizer.apply([_tensor([np.nan, 8.0])], [variable])  # dropped
-    np.testing.assert_array_equal(_numpy(variable), [0.0, 0.0])
+    optimizer.apply([tensor([4.0, 8.0])], [variable])  # accumulated: [1, 2]
+    np.testing.assert_array_equal(numpy(variable), [0.0, 0.0])
+    optimizer.apply([tensor([np.nan, 8.0])], [variable])  # dropped
+    np.testing.assert_array_equal(numpy(variable), [0.0, 0.0])
     # The scale is now 2; this micro-batch is [3, 4] unscaled.
-    optimizer.apply([_tensor([6.0, 8.0])], [variable])
-    np.testing.assert_array_equal(_numpy(variable), [-2.0, -3.0])  # mean of [1,2],[3,4]
-    assert int(_numpy(optimizer.iterations)) == 1
-    assert int(_numpy(optimizer.skipped_steps)) == 1
+    optimizer.apply([tensor([6.0, 8.0])], [variable])
+    np.testing.assert_array_equal(numpy(variable), [-2.0, -3.0])  # mean of [1,2],[3,4]
+    assert int(numpy(optimizer.iterations)) == 1
+    assert int(numpy(optimizer.skipped_steps)) == 1
 
 
 # -- serialization -------------------------------------------------------------
@@ -334,9 +313,9 @@ def test_state_is_saved_with_the_model(tmp_path):
     loaded = keras.models.load_model(path)
     assert isinstance(loaded.optimizer, keras_mp.LossScaleOptimizer)
     for name in ("loss_scale", "good_steps", "skipped_steps", "iterations"):
-        assert _numpy(getattr(loaded.optimizer, name)) == _numpy(getattr(optimizer, name)), name
-    assert float(_numpy(loaded.optimizer.loss_scale)) == 32.0
-    assert int(_numpy(loaded.optimizer.skipped_steps)) == 1
+        assert numpy(getattr(loaded.optimizer, name)) == numpy(getattr(optimizer, name)), name
+    assert float(numpy(loaded.optimizer.loss_scale)) == 32.0
+    assert int(numpy(loaded.optimizer.skipped_steps)) == 1
 
 
 # -- custom training loops -----------------------------------------------------
@@ -348,8 +327,8 @@ def test_state_is_saved_with_the_model(tmp_path):
 def test_custom_loop_tensorflow(api, graph):
     import tensorflow as tf
 
-    x, y = _loop_data()
-    model = _loop_model()
+    x, y = loop_data()
+    model = loop_model()
     optimizer = keras_mp.LossScaleOptimizer(keras.optimizers.SGD(0.1), initial_scale=2.0**12)
 
     def step(x, y):
@@ -366,16 +345,16 @@ def test_custom_loop_tensorflow(api, graph):
             optimizer.apply_gradients(zip(grads, model.trainable_variables))
 
     (tf.function(step) if graph else step)(x, y)
-    _check_loop_result(model, x, y)
-    assert int(_numpy(optimizer.iterations)) == 1
+    check_loop_result(model, x, y)
+    assert int(numpy(optimizer.iterations)) == 1
 
 
 @pytest.mark.skipif(BACKEND != "jax", reason="eager apply on JAX")
 def test_custom_loop_jax_apply():
     import jax
 
-    x, y = _loop_data()
-    model = _loop_model()
+    x, y = loop_data()
+    model = loop_model()
     optimizer = keras_mp.LossScaleOptimizer(keras.optimizers.SGD(0.1), initial_scale=2.0**12)
 
     def loss_fn(trainable):
@@ -386,7 +365,7 @@ def test_custom_loop_jax_apply():
         warnings.simplefilter("error")  # eager: the variable's scale is the step's
         grads = jax.grad(loss_fn)([v.value for v in model.trainable_variables])
         optimizer.apply(grads, model.trainable_variables)
-    _check_loop_result(model, x, y)
+    check_loop_result(model, x, y)
 
 
 @pytest.mark.skipif(BACKEND != "torch", reason="loss.backward() loop")
@@ -394,8 +373,8 @@ def test_custom_loop_jax_apply():
 def test_custom_loop_torch(api):
     import torch
 
-    x, y = _loop_data()
-    model = _loop_model()
+    x, y = loop_data()
+    model = loop_model()
     optimizer = keras_mp.LossScaleOptimizer(keras.optimizers.SGD(0.1), initial_scale=2.0**12)
     loss = torch.mean(
         torch.square(model(x) - keras.ops.convert_to_tensor(y))
@@ -409,4 +388,4 @@ def test_custom_loop_torch(api):
     else:
         grads = optimizer.get_unscaled_gradients(grads)
         optimizer.apply_gradients(zip(grads, model.trainable_variables))
-    _check_loop_result(model, x, y)
+    check_loop_result(model, x, y)

@@ -3,42 +3,16 @@
 import warnings
 
 import keras
-import numpy as np
 import pytest
-from keras import ops
 
 import keras_mp
-from keras_mp._src import backends
 from tests.loops import check_loop_result
 from tests.loops import loop_data
 from tests.loops import loop_model
+from tests.steps import BACKEND
+from tests.steps import SCALED_BY_HAND
 
-BACKEND = keras.backend.backend()
-
-# These tests hand the optimizer gradients they scaled themselves, which
-# the optimizer's warning of a loss never scaled tells to ignore.
-pytestmark = pytest.mark.filterwarnings(
-    r"ignore:LossScaleOptimizer\.\w+ was called, but the loss was never scaled"
-)
-
-# TensorFlow's XLA step as compiled for a CPU: on a GPU the skip is selects
-# (`keep_conditional`) and the tensors live in the GPU's memory.
-tensorflow_xla_on_cpu = pytest.mark.skipif(
-    BACKEND != "tensorflow" or bool(backends.current.gpu_compute_capability()),
-    reason="TensorFlow's XLA step on a CPU",
-)
-
-
-def _numpy(x):
-    return np.asarray(keras.ops.convert_to_numpy(x))
-
-
-def _tensor(values, dtype="float32"):
-    return ops.convert_to_tensor(np.asarray(values, dtype=dtype))
-
-
-def _snapshot(optimizer, variables):
-    return [_numpy(v).copy() for v in list(variables) + list(optimizer.variables)]
+pytestmark = SCALED_BY_HAND
 
 
 @pytest.mark.skipif(BACKEND != "jax", reason="jax.jit loop")

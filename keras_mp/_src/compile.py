@@ -54,7 +54,6 @@ def compile(model, *args, **kwargs):
 
 
 @functools.wraps(_keras_compile)
-@functools.wraps(_keras_compile)
 def _compile_with_amp(
     self,
     *args,

@@ -13,33 +13,12 @@ from keras import ops
 
 import keras_mp
 from keras_mp._src import backends
+from tests.steps import BACKEND
+from tests.steps import SCALED_BY_HAND
+from tests.steps import numpy
+from tests.steps import tensor
 
-BACKEND = keras.backend.backend()
-
-# These tests hand the optimizer gradients they scaled themselves, which
-# the optimizer's warning of a loss never scaled tells to ignore.
-pytestmark = pytest.mark.filterwarnings(
-    r"ignore:LossScaleOptimizer\.\w+ was called, but the loss was never scaled"
-)
-
-# TensorFlow's XLA step as compiled for a CPU: on a GPU the skip is selects
-# (`keep_conditional`) and the tensors live in the GPU's memory.
-tensorflow_xla_on_cpu = pytest.mark.skipif(
-    BACKEND != "tensorflow" or bool(backends.current.gpu_compute_capability()),
-    reason="TensorFlow's XLA step on a CPU",
-)
-
-
-def _numpy(x):
-    return np.asarray(keras.ops.convert_to_numpy(x))
-
-
-def _tensor(values, dtype="float32"):
-    return ops.convert_to_tensor(np.asarray(values, dtype=dtype))
-
-
-def _snapshot(optimizer, variables):
-    return [_numpy(v).copy() for v in list(variables) + list(optimizer.variables)]
+pytestmark = SCALED_BY_HAND
 
 
 def _compiled(fn, mode):
@@ -103,18 +82,18 @@ def test_all_finite_is_exact(grads, expected, dtype, mode):
     if dtype == "float16":
         grads = [[min(v, 6e4) if np.isfinite(v) else v for v in g] for g in grads]
     dtype = ml_dtypes.bfloat16 if dtype == "bfloat16" else dtype
-    tensors = [_tensor(g, dtype) for g in grads] + [None]
+    tensors = [tensor(g, dtype) for g in grads] + [None]
     check = _compiled(
         backends.current.all_finite, COMPILE_MODES[-1] if mode == "compiled" else mode
     )
-    assert bool(_numpy(check(tensors))) is expected
+    assert bool(numpy(check(tensors))) is expected
 
 
 def test_all_finite_mixed_dtypes():
-    grads = [_tensor([1.0], "float16"), _tensor([np.inf], "float32")]
-    assert not bool(_numpy(backends.current.all_finite(grads)))
-    grads = [_tensor([np.inf], "float16"), _tensor([1.0], "float32")]
-    assert not bool(_numpy(backends.current.all_finite(grads)))
+    grads = [tensor([1.0], "float16"), tensor([np.inf], "float32")]
+    assert not bool(numpy(backends.current.all_finite(grads)))
+    grads = [tensor([np.inf], "float16"), tensor([1.0], "float32")]
+    assert not bool(numpy(backends.current.all_finite(grads)))
 
 
 @pytest.mark.parametrize("mode", COMPILE_MODES)
@@ -132,7 +111,7 @@ def test_all_finite_matches_numpy(mode, grads):
     expected = all(np.all(np.isfinite(g)) for g in grads)
     check = _compiled(lambda gs: backends.current.all_finite(gs), mode)
     tensors = [ops.convert_to_tensor(g) for g in grads]
-    assert bool(_numpy(check(tensors))) is expected
+    assert bool(numpy(check(tensors))) is expected
 
 
 def test_unscaling_is_float32_for_float16_gradients():
@@ -142,5 +121,5 @@ def test_unscaling_is_float32_for_float16_gradients():
         keras.optimizers.SGD(1.0), initial_scale=2.0**20, max_scale=2.0**24
     )
     # The true gradient 2**-10 scaled by 2**20 is 1024, representable in float16.
-    optimizer.apply([_tensor([1024.0, 2048.0], "float16")], [variable])
-    np.testing.assert_array_equal(_numpy(variable), np.array([-(2.0**-10), -(2.0**-9)], np.float16))
+    optimizer.apply([tensor([1024.0, 2048.0], "float16")], [variable])
+    np.testing.assert_array_equal(numpy(variable), np.array([-(2.0**-10), -(2.0**-9)], np.float16))

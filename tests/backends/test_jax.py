@@ -4,37 +4,15 @@ compiled once."""
 import keras
 import numpy as np
 import pytest
-from keras import ops
 
 import keras_mp
 from keras_mp._src import backends
+from tests.steps import BACKEND
+from tests.steps import SCALED_BY_HAND
+from tests.steps import numpy
+from tests.steps import tensor
 
-BACKEND = keras.backend.backend()
-
-# These tests hand the optimizer gradients they scaled themselves, which
-# the optimizer's warning of a loss never scaled tells to ignore.
-pytestmark = pytest.mark.filterwarnings(
-    r"ignore:LossScaleOptimizer\.\w+ was called, but the loss was never scaled"
-)
-
-# TensorFlow's XLA step as compiled for a CPU: on a GPU the skip is selects
-# (`keep_conditional`) and the tensors live in the GPU's memory.
-tensorflow_xla_on_cpu = pytest.mark.skipif(
-    BACKEND != "tensorflow" or bool(backends.current.gpu_compute_capability()),
-    reason="TensorFlow's XLA step on a CPU",
-)
-
-
-def _numpy(x):
-    return np.asarray(keras.ops.convert_to_numpy(x))
-
-
-def _tensor(values, dtype="float32"):
-    return ops.convert_to_tensor(np.asarray(values, dtype=dtype))
-
-
-def _snapshot(optimizer, variables):
-    return [_numpy(v).copy() for v in list(variables) + list(optimizer.variables)]
+pytestmark = SCALED_BY_HAND
 
 
 @pytest.mark.skipif(BACKEND != "jax", reason="JAX's two forms of the skip")
@@ -66,7 +44,7 @@ def test_jax_select_form_has_no_conditional(jax_skip_form):
         keras.Variable(np.ones(2, np.float32)),
     ]
     optimizer.build(variables)
-    grads = [_tensor(np.ones((2, 2))), _tensor(np.ones(2))]
+    grads = [tensor(np.ones((2, 2))), tensor(np.ones(2))]
     jaxpr = str(
         jax.make_jaxpr(optimizer.stateless_apply)(
             [v.value for v in optimizer.variables], grads, [v.value for v in variables]
@@ -103,7 +81,7 @@ def test_jax_select_form_copies_no_slot(monkeypatch, master_weights):
     )
     variables = [keras.Variable(np.ones((64, 32)), dtype=dtype), keras.Variable(np.ones(32))]
     optimizer.build(variables)
-    grads = [_tensor(np.ones((64, 32)), dtype), _tensor(np.ones(32))]
+    grads = [tensor(np.ones((64, 32)), dtype), tensor(np.ones(32))]
 
     def apply(optimizer_values, grads, trainable_values):
         # Outputs in the donated inputs' order, as Keras's trainer has them.
@@ -143,21 +121,19 @@ def test_eager_apply_on_jax_compiles_its_step_once(jax_skip_form):
     traced = []
     check_finite = optimizer.check_finite
     optimizer.check_finite = lambda grads: traced.append(1) or check_finite(grads)
-    good = _tensor(np.array([3.0, -2.0, 0.5]))
-    bad = _tensor(np.array([np.inf, 1.0, 1.0]))
+    good = tensor(np.array([3.0, -2.0, 0.5]))
+    bad = tensor(np.array([np.inf, 1.0, 1.0]))
     for grad in [good, bad, good, bad, bad, good]:
         optimizer.apply([grad], [variable])
         with jax.disable_jit():  # every op on its own, `cond` as a Python `if`
             reference.apply([grad], [reference_variable])
     assert len(traced) == 1
-    np.testing.assert_allclose(_numpy(variable), _numpy(reference_variable), rtol=1e-6)
+    np.testing.assert_allclose(numpy(variable), numpy(reference_variable), rtol=1e-6)
     for slot, reference_slot in zip(optimizer.variables, reference.variables):
-        np.testing.assert_allclose(
-            _numpy(slot), _numpy(reference_slot), rtol=1e-6, err_msg=slot.path
-        )
-    assert int(_numpy(optimizer.skipped_steps)) == 3
-    assert int(_numpy(optimizer.iterations)) == 3
-    assert float(_numpy(optimizer.loss_scale)) == 2.0
+        np.testing.assert_allclose(numpy(slot), numpy(reference_slot), rtol=1e-6, err_msg=slot.path)
+    assert int(numpy(optimizer.skipped_steps)) == 3
+    assert int(numpy(optimizer.iterations)) == 3
+    assert float(numpy(optimizer.loss_scale)) == 2.0
 
 
 @pytest.mark.perf
@@ -169,11 +145,11 @@ def test_eager_check_finite_on_jax_traces_its_cond_once(monkeypatch):
     traces = backends.current.TRACE_COUNTS["exact_all_finite"]
     optimizer = keras_mp.LossScaleOptimizer(keras.optimizers.SGD(0.1))
     # Shapes no other test uses: JAX caches a trace per function and shapes.
-    finite = [_tensor(np.ones((13, 3))), _tensor(np.ones(3))]
-    nan = [_tensor(np.ones((13, 3))), _tensor(np.array([1.0, np.nan, 1.0]))]
-    huge = [_tensor(np.full((13, 3), 3e38)), _tensor(np.ones(3))]  # its sum overflows
+    finite = [tensor(np.ones((13, 3))), tensor(np.ones(3))]
+    nan = [tensor(np.ones((13, 3))), tensor(np.array([1.0, np.nan, 1.0]))]
+    huge = [tensor(np.full((13, 3), 3e38)), tensor(np.ones(3))]  # its sum overflows
     answers = [
-        bool(_numpy(optimizer.check_finite(g))) for g in [finite, nan, huge, finite, nan, huge]
+        bool(numpy(optimizer.check_finite(g))) for g in [finite, nan, huge, finite, nan, huge]
     ]
     assert answers == [True, False, True] * 2
     assert backends.current.TRACE_COUNTS["exact_all_finite"] == traces + 1

@@ -4,37 +4,17 @@ conditional and reads the gradients once (compiled-graph checks, `perf`)."""
 import keras
 import numpy as np
 import pytest
-from keras import ops
 
 import keras_mp
 from keras_mp._src import backends
+from tests.steps import BACKEND
+from tests.steps import SCALED_BY_HAND
+from tests.steps import numpy
+from tests.steps import snapshot
+from tests.steps import tensor
+from tests.steps import tensorflow_xla_on_cpu
 
-BACKEND = keras.backend.backend()
-
-# These tests hand the optimizer gradients they scaled themselves, which
-# the optimizer's warning of a loss never scaled tells to ignore.
-pytestmark = pytest.mark.filterwarnings(
-    r"ignore:LossScaleOptimizer\.\w+ was called, but the loss was never scaled"
-)
-
-# TensorFlow's XLA step as compiled for a CPU: on a GPU the skip is selects
-# (`keep_conditional`) and the tensors live in the GPU's memory.
-tensorflow_xla_on_cpu = pytest.mark.skipif(
-    BACKEND != "tensorflow" or bool(backends.current.gpu_compute_capability()),
-    reason="TensorFlow's XLA step on a CPU",
-)
-
-
-def _numpy(x):
-    return np.asarray(keras.ops.convert_to_numpy(x))
-
-
-def _tensor(values, dtype="float32"):
-    return ops.convert_to_tensor(np.asarray(values, dtype=dtype))
-
-
-def _snapshot(optimizer, variables):
-    return [_numpy(v).copy() for v in list(variables) + list(optimizer.variables)]
+pytestmark = SCALED_BY_HAND
 
 
 @pytest.mark.perf
@@ -56,7 +36,7 @@ def test_xla_step_keeps_the_skip_a_conditional():
     def step(grads):
         optimizer.apply(grads, variables)
 
-    good = [_tensor(np.ones((64, 32))), _tensor(np.ones(32))]
+    good = [tensor(np.ones((64, 32))), tensor(np.ones(32))]
     hlo = step.experimental_get_compiler_ir(good)(stage="optimized_hlo")
     entry = hlo[hlo.index("ENTRY") :]
     assert " conditional(" in entry
@@ -64,14 +44,14 @@ def test_xla_step_keeps_the_skip_a_conditional():
     assert not [line for line in copies if "f32[64,32]" in line], copies
 
     step(good)
-    before = _snapshot(optimizer, variables)
-    step([good[0], _tensor(np.full(32, np.nan))])
-    after = _snapshot(optimizer, variables)
+    before = snapshot(optimizer, variables)
+    step([good[0], tensor(np.full(32, np.nan))])
+    after = snapshot(optimizer, variables)
     state = {"loss_scale", "good_steps", "skipped_steps"}
     for variable, b, a in zip(variables + list(optimizer.variables), before, after):
         if variable.path.split("/")[-1] not in state:
             np.testing.assert_array_equal(a, b, err_msg=variable.path)
-    assert int(_numpy(optimizer.skipped_steps)) == 1
+    assert int(numpy(optimizer.skipped_steps)) == 1
 
 
 @pytest.mark.perf
@@ -83,14 +63,14 @@ def test_xla_check_of_float32_gradients_reads_them_once():
     import tensorflow as tf
 
     check = tf.function(backends.current.all_finite, jit_compile=True)
-    grads = [_tensor(np.ones((64, 32))), _tensor(np.ones(32))]
+    grads = [tensor(np.ones((64, 32))), tensor(np.ones(32))]
     hlo = check.experimental_get_compiler_ir(grads)(stage="optimized_hlo")
     entry = hlo[hlo.index("ENTRY") :]
     assert " conditional(" in entry
     assert "pred[64,32]" not in entry, entry
-    assert bool(_numpy(check(grads)))
-    assert not bool(_numpy(check([grads[0], _tensor([1.0] * 31 + [np.nan])])))
-    assert bool(_numpy(check([_tensor(np.full((64, 32), 3e38)), grads[1]])))
+    assert bool(numpy(check(grads)))
+    assert not bool(numpy(check([grads[0], tensor([1.0] * 31 + [np.nan])])))
+    assert bool(numpy(check([tensor(np.full((64, 32), 3e38)), grads[1]])))
 
 
 @pytest.mark.perf
@@ -101,16 +81,16 @@ def test_xla_check_of_float16_gradients_reduces_rows_of_eight():
     import tensorflow as tf
 
     check = tf.function(backends.current.all_finite, jit_compile=True)
-    grads = [_tensor(np.ones((64, 32)), "float16"), _tensor(np.ones(31), "float16")]
+    grads = [tensor(np.ones((64, 32)), "float16"), tensor(np.ones(31), "float16")]
     hlo = check.experimental_get_compiler_ir(grads)(stage="optimized_hlo")
     entry = hlo[hlo.index("ENTRY") :]
     assert "= pred[256,8]" in entry and "= pred[64,32]" not in entry, entry
-    assert bool(_numpy(check(grads)))
+    assert bool(numpy(check(grads)))
     for bad in (np.nan, np.inf, -np.inf):
         values = np.ones((64, 32))
         values[63, 31] = bad
-        assert not bool(_numpy(check([_tensor(values, "float16"), grads[1]])))
-        assert not bool(_numpy(check([grads[0], _tensor([1.0] * 30 + [bad], "float16")])))
+        assert not bool(numpy(check([tensor(values, "float16"), grads[1]])))
+        assert not bool(numpy(check([grads[0], tensor([1.0] * 30 + [bad], "float16")])))
 
 
 @pytest.mark.perf
@@ -140,7 +120,7 @@ def test_xla_step_takes_half_precision_gradients_into_the_conditional_narrow():
     step = tf.function(lambda grads: apply(optimizer, variables, grads), jit_compile=True)
     reference = tf.function(lambda grads: apply(reference_optimizer, reference_variables, grads))
     rng = np.random.default_rng(0)
-    good = [_tensor(rng.normal(size=(64, 32)), "float16"), _tensor(rng.normal(size=32), "float16")]
+    good = [tensor(rng.normal(size=(64, 32)), "float16"), tensor(rng.normal(size=32), "float16")]
     hlo = step.experimental_get_compiler_ir(good)(stage="optimized_hlo")
     entry = hlo[hlo.index("ENTRY") :]
     widened = [
@@ -151,19 +131,19 @@ def test_xla_step_takes_half_precision_gradients_into_the_conditional_narrow():
     assert " conditional(" in entry
     assert not widened, widened
 
-    for grads in (good, good, [good[0], _tensor(np.full(32, np.nan), "float16")], good):
+    for grads in (good, good, [good[0], tensor(np.full(32, np.nan), "float16")], good):
         step(grads)
         reference(grads)
         for a, b in zip(
-            _snapshot(optimizer, variables), _snapshot(reference_optimizer, reference_variables)
+            snapshot(optimizer, variables), snapshot(reference_optimizer, reference_variables)
         ):
             np.testing.assert_allclose(a, b, rtol=1e-6)
-    assert int(_numpy(optimizer.skipped_steps)) == 1
-    assert int(_numpy(optimizer.iterations)) == 3
+    assert int(numpy(optimizer.skipped_steps)) == 1
+    assert int(numpy(optimizer.iterations)) == 3
 
 
 @pytest.mark.skipif(BACKEND != "tensorflow", reason="TensorFlow's XLA step")
 def test_narrow_origins_leaves_other_gradients_alone():
-    grads = [_tensor([1.0, 2.0]), None]
+    grads = [tensor([1.0, 2.0]), None]
     assert backends.current.narrow_origins(grads) == grads
     assert backends.current.widen(grads, grads) == grads

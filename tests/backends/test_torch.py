@@ -3,37 +3,13 @@
 import keras
 import numpy as np
 import pytest
-from keras import ops
 
 import keras_mp
-from keras_mp._src import backends
+from tests.steps import BACKEND
+from tests.steps import SCALED_BY_HAND
+from tests.steps import tensor
 
-BACKEND = keras.backend.backend()
-
-# These tests hand the optimizer gradients they scaled themselves, which
-# the optimizer's warning of a loss never scaled tells to ignore.
-pytestmark = pytest.mark.filterwarnings(
-    r"ignore:LossScaleOptimizer\.\w+ was called, but the loss was never scaled"
-)
-
-# TensorFlow's XLA step as compiled for a CPU: on a GPU the skip is selects
-# (`keep_conditional`) and the tensors live in the GPU's memory.
-tensorflow_xla_on_cpu = pytest.mark.skipif(
-    BACKEND != "tensorflow" or bool(backends.current.gpu_compute_capability()),
-    reason="TensorFlow's XLA step on a CPU",
-)
-
-
-def _numpy(x):
-    return np.asarray(keras.ops.convert_to_numpy(x))
-
-
-def _tensor(values, dtype="float32"):
-    return ops.convert_to_tensor(np.asarray(values, dtype=dtype))
-
-
-def _snapshot(optimizer, variables):
-    return [_numpy(v).copy() for v in list(variables) + list(optimizer.variables)]
+pytestmark = SCALED_BY_HAND
 
 
 @pytest.mark.perf
@@ -58,7 +34,7 @@ def test_torch_apply_reads_one_flag_per_step(monkeypatch):
 
         monkeypatch.setattr(torch.Tensor, name, counting)
     for bad in (False, True, False, False):
-        grads = [_tensor(np.full((3, 3), np.inf if bad else 1.0)), _tensor(np.ones(3))]
+        grads = [tensor(np.full((3, 3), np.inf if bad else 1.0)), tensor(np.ones(3))]
         reads.clear()
         optimizer.apply(grads, variables)
         assert len(reads) <= 1, reads
