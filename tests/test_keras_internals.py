@@ -52,3 +52,11 @@ def test_layer_and_variable_helpers():
     optimizer = keras.optimizers.SGD()
     optimizer.build(model.trainable_variables)
     assert list(keras_internals.built_variables(optimizer)) == model.trainable_variables
+
+
+def test_model_helpers():
+    model = keras.Sequential([keras.Input((3,)), keras.layers.Dense(2)])
+    model.compile(optimizer="sgd", loss="mse")
+    keras_internals.record_in_compile_config(model, amp_level="O2")
+    assert model.get_compile_config()["amp_level"] == "O2"
+    assert keras_internals.call_takes_training(model)

@@ -121,7 +121,8 @@ def _compile_with_amp(
     arguments["auto_scale_loss"] = False
     result = _keras_compile(self, **arguments)
     _check_distribution(self)
-    self._compile_config.config.update(
+    keras_internals.record_in_compile_config(
+        self,
         amp_level=amp.name,
         amp_dtype=amp.half,
         loss_scale=amp.loss_scale,

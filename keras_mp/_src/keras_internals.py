@@ -124,6 +124,16 @@ def retrack_torch_parameters(model):
             module._track_variables()
 
 
+def record_in_compile_config(model, **settings):
+    """Adds `settings` to the config `model.get_compile_config()` returns."""
+    model._compile_config.config.update(**settings)
+
+
+def call_takes_training(model):
+    """Whether `model.call` has a `training` argument."""
+    return model._call_has_training_arg
+
+
 def built_input_shape(layer):
     """The input shape a layer was built on (one input), or None."""
     return (getattr(layer, "_build_shapes_dict", None) or {}).get("input_shape")

@@ -193,7 +193,7 @@ def float32_gradients(model, x, y, loss_fn, sample_weight):
 
     def compute(trainable):
         # `stateless_call` hands its keywords to `call` as they are.
-        kwargs = {"training": True} if model._call_has_training_arg else {}
+        kwargs = {"training": True} if keras_internals.call_takes_training(model) else {}
         y_pred, _ = model.stateless_call(trainable, non_trainable, x, **kwargs)
         return loss_fn(y, y_pred, sample_weight)
 
