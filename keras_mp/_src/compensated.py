@@ -39,6 +39,7 @@ from keras import ops
 from keras_mp._src import backends
 from keras_mp._src.master_weights import COMPENSATED
 from keras_mp._src.master_weights import is_half
+from keras_mp._src.master_weights import state_name
 
 
 class CompensatedUpdates:
@@ -75,7 +76,7 @@ class CompensatedUpdates:
                     shape=variable.shape,
                     initializer="zeros",
                     dtype=variable.dtype,
-                    name=f"{variable.name}_compensation",
+                    name=state_name(variable, "compensation"),
                     layout=getattr(variable, "_layout", None),
                 )
         if self.buffers:
@@ -123,7 +124,7 @@ class CompensatedUpdates:
             for variable in variables:
                 if self._buffer(variable) is None:
                     plain.append(variable)
-                elif optimizer._use_weight_decay(variable):
+                elif optimizer._use_weight_decay(backends.current.as_the_optimizer_sees(variable)):
                     decayed.add(optimizer._var_key(variable))
             apply_weight_decay(plain)
 

@@ -25,6 +25,7 @@ still match), saved and restored with it.
 import keras
 from keras import ops
 
+from keras_mp._src import backends
 from keras_mp._src.levels import HALF_DTYPES
 
 # `master_weights`'s third value: bfloat16 compensation buffers (`compensated.py`).
@@ -42,6 +43,16 @@ def check_master_weights(master_weights, allowed_none=False):
         allowed += ", or None (True)"
     error = ValueError if isinstance(master_weights, str) else TypeError
     raise error(f"`master_weights` must be {allowed}. Received: master_weights={master_weights!r}")
+
+
+def state_name(variable, suffix=None):
+    """The name of optimizer state kept for `variable`: its path, which
+    Keras's variable names cannot hold with its `/` (`dense_1_kernel`),
+    and `suffix`. Under the optimizer's path, and in the inner optimizer's
+    slots' (`adam/loss_scale_optimizer_dense_1_kernel_momentum`), it says
+    whose state it is in `optimizer.variables`, checkpoints and layout maps."""
+    name = variable.path.replace("/", "_")
+    return name if suffix is None else f"{name}_{suffix}"
 
 
 def is_half(variable):
@@ -76,7 +87,7 @@ class MasterWeights:
                 # a GPU) refuses.
                 initializer="zeros",
                 dtype="float32",
-                name=variable.name,
+                name=state_name(variable),
                 layout=getattr(variable, "_layout", None),
             )
         # What each variable's storage was when last written here (PyTorch):
@@ -96,13 +107,22 @@ class MasterWeights:
         return targets
 
     def exclude_copies_like(self, inner_optimizer, var_list):
-        """Weight-decay exclusions by variable carry over to the copies."""
-        excluded = getattr(inner_optimizer, "_exclude_from_weight_decay", None)
-        if not excluded:
+        """Each copy gets its variable's weight decay, exclusions included.
+
+        The inner optimizer decides by variable and by name pattern
+        (`exclude_from_weight_decay(var_list=..., var_names=[...])`): its
+        answer for the variable is pinned for the copy, whose own name (the
+        variable's path) a pattern such as `"^bias$"` or the layer's name
+        would judge otherwise.
+        """
+        if getattr(inner_optimizer, "weight_decay", None) is None:
             return
+        cache = inner_optimizer.__dict__.setdefault("_exclude_from_weight_decay_cache", {})
         for i in self.positions:
-            if inner_optimizer._var_key(var_list[i]) in excluded:
-                excluded.add(inner_optimizer._var_key(self.copies[i]))
+            decayed = inner_optimizer._use_weight_decay(
+                backends.current.as_the_optimizer_sees(var_list[i])
+            )
+            cache[inner_optimizer._var_key(self.copies[i])] = decayed
 
     # -- stateful backends (TensorFlow, PyTorch) -----------------------------
 

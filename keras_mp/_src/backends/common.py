@@ -314,6 +314,12 @@ def variables_changed(model):
     what the backend registers by object must learn the new ones."""
 
 
+def as_the_optimizer_sees(variable):
+    """`variable` as an optimizer's own step passes it to `_use_weight_decay`
+    (whose name patterns judge its name)."""
+    return variable
+
+
 def step_each_variable(optimizer):
     """Makes `optimizer` step each variable through its `update_step`, where
     the backend fuses the update of all of them (compensated updates)."""

@@ -287,6 +287,12 @@ def check_strategy(strategy):
         )
 
 
+def as_the_optimizer_sees(variable):
+    # Keras's TensorFlow optimizer decays the `tf.Variable`s: its weight
+    # decay's name patterns judge their names (the path, and ":0").
+    return variable.value
+
+
 def outside_the_step():
     import tensorflow as tf
 
