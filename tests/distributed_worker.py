@@ -17,11 +17,14 @@ import os
 import sys
 
 SCENARIO = sys.argv[1]
+# keras.distribution's mesh of 2 x 2 (batch x model) for model parallelism.
+MESH_DEVICES = 4
 if SCENARIO.startswith("jax"):
-    # Two CPU devices, on a machine with a GPU too.
+    # Two CPU devices (four for a mesh), on a machine with a GPU too.
     os.environ["JAX_PLATFORMS"] = "cpu"
+    count = MESH_DEVICES if "model_parallel" in SCENARIO or "zero" in SCENARIO else 2
     os.environ["XLA_FLAGS"] = (
-        os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=2"
+        os.environ.get("XLA_FLAGS", "") + f" --xla_force_host_platform_device_count={count}"
     )
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 
@@ -356,6 +359,224 @@ def jax_data_parallel():
         assert history.history["skipped_steps"] == [1.0, 2.0], history.history
         print(f"jax_data_parallel {name}: ok")
     keras.distribution.set_distribution(None)
+
+
+# (name, compile arguments, tolerance against the single-device run)
+MESH_LEVELS = (
+    ("O1-float16", {"amp_level": "O1"}, 2e-2),
+    ("O2-float16", {"amp_level": "O2"}, 2e-2),
+    ("O2-bfloat16", {"amp_level": "O2", "amp_dtype": "bfloat16"}, 5e-2),
+    ("O3-float16", {"amp_level": "O3"}, 2e-2),
+    ("O3-bfloat16", {"amp_level": "O3", "amp_dtype": "bfloat16"}, 5e-2),
+)
+
+
+def mesh_layout_map():
+    """The MLP's kernels split over the "model" axis of a 2 x 2 mesh."""
+    import jax
+
+    mesh = keras.distribution.DeviceMesh((2, 2), ("batch", "model"), jax.devices())
+    layout_map = keras.distribution.LayoutMap(mesh)
+    layout_map[".*hidden/kernel"] = (None, "model")
+    layout_map[".*out/kernel"] = ("model", None)
+    return layout_map
+
+
+def spec(variable):
+    """The axes a variable is split over, one per dimension."""
+    axes = tuple(variable.value.sharding.spec)
+    return axes + (None,) * (len(variable.shape) - len(axes))
+
+
+def state_of(optimizer, variable):
+    """The optimizer's variables kept for `variable`: its master copy (named
+    after its path), the slots of the copy or of the variable itself."""
+    name = variable.path.replace("/", "_")
+    return [v for v in optimizer.variables if name in v.name and v.shape == variable.shape]
+
+
+def assert_state_laid_out_like_its_variable(model, optimizer=None):
+    optimizer = optimizer or model.optimizer
+    for variable in model.trainable_variables:
+        kept = state_of(optimizer, variable)
+        assert kept, (variable.path, [v.path for v in optimizer.variables])
+        for v in kept:
+            assert spec(v) == spec(variable), (v.path, spec(v), variable.path, spec(variable))
+
+
+def jax_model_parallel():
+    """`keras.distribution.ModelParallel` with a `LayoutMap`, at every level:
+    the same steps as on one device (the NaN batch skipped), master copies
+    and slots laid out like their variables, and a `.keras` round trip under
+    the distribution that predicts and resumes exactly."""
+    import tempfile
+
+    x, y = data()
+    for name, amp, rtol in MESH_LEVELS:
+        keras.distribution.set_distribution(None)
+        single = compiled(**amp)
+        single.fit(x, y, batch_size=GLOBAL_BATCH, epochs=2, shuffle=False, verbose=0)
+
+        distribution = keras.distribution.ModelParallel(
+            layout_map=mesh_layout_map(), batch_dim_name="batch"
+        )
+        keras.distribution.set_distribution(distribution)
+        model = compiled(**amp)
+        history = model.fit(x, y, batch_size=GLOBAL_BATCH, epochs=2, shuffle=False, verbose=0)
+        assert spec(model.get_layer("hidden").kernel) == (None, "model")
+        assert history.history["skipped_steps"] == [1.0, 2.0], history.history
+        assert_same(state(model), state(single), rtol)
+        assert_state_laid_out_like_its_variable(model)
+
+        path = os.path.join(tempfile.mkdtemp(), "model.keras")
+        model.save(path)
+        loaded = keras.models.load_model(path)
+        clean = np.nan_to_num(x[:GLOBAL_BATCH])
+        np.testing.assert_array_equal(
+            numpy(loaded.predict(clean, verbose=0)), numpy(model.predict(clean, verbose=0))
+        )
+        for a, b in zip(model.optimizer.variables, loaded.optimizer.variables):
+            np.testing.assert_array_equal(numpy(a), numpy(b), err_msg=a.path)
+            assert spec(a) == spec(b), (a.path, spec(a), spec(b))
+        assert_state_laid_out_like_its_variable(loaded)
+        # Training resumes exactly: the original goes on without a save.
+        for m in (model, loaded):
+            m.fit(x, y, batch_size=GLOBAL_BATCH, epochs=1, shuffle=False, verbose=0)
+        assert_same(state(loaded), state(model), 0.0)
+        print(f"jax_model_parallel {name}: ok")
+    keras.distribution.set_distribution(None)
+
+
+def jax_model_parallel_gemma():
+    """A tiny KerasHub Gemma under its own `get_layout_map`, at O2 and O3."""
+    import jax
+    import keras_hub
+
+    mesh = keras.distribution.DeviceMesh((2, 2), ("batch", "model"), jax.devices())
+    layout_map = keras_hub.models.GemmaBackbone.get_layout_map(mesh)
+    rng = np.random.default_rng(0)
+    ids = rng.integers(1, 100, size=(8, 8)).astype("int32")
+    x = {"token_ids": ids, "padding_mask": np.ones_like(ids, dtype="bool")}
+    y = rng.integers(0, 100, size=(8, 8))
+    for name, amp in (
+        ("O2-float16", {"amp_level": "O2"}),
+        ("O3-bfloat16", {"amp_level": "O3", "amp_dtype": "bfloat16"}),
+    ):
+        keras.distribution.set_distribution(
+            keras.distribution.ModelParallel(layout_map=layout_map, batch_dim_name="batch")
+        )
+        keras.utils.set_random_seed(0)
+        backbone = keras_hub.models.GemmaBackbone(
+            vocabulary_size=100,
+            num_layers=2,
+            num_query_heads=2,
+            num_key_value_heads=2,
+            hidden_dim=16,
+            intermediate_dim=32,
+            head_dim=8,
+        )
+        model = keras_hub.models.GemmaCausalLM(backbone, preprocessor=None)
+        model.compile(
+            optimizer=keras.optimizers.Adam(1e-3),
+            loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+            **amp,
+        )
+        embeddings = backbone.get_layer("token_embedding").embeddings
+        assert spec(embeddings) == ("model", "batch"), spec(embeddings)
+        before = [numpy(v) for v in model.trainable_variables]
+        history = model.fit(x, y, batch_size=8, epochs=2, verbose=0)
+        assert np.isfinite(history.history["loss"]).all(), history.history
+        assert history.history["skipped_steps"][-1] == 0, history.history
+        moved = [not np.array_equal(b, numpy(v)) for b, v in zip(before, model.trainable_variables)]
+        assert all(moved), [v.path for v, m in zip(model.trainable_variables, moved) if not m]
+        assert_state_laid_out_like_its_variable(model)
+        print(f"jax_model_parallel_gemma {name}: ok")
+    keras.distribution.set_distribution(None)
+
+
+def state_bytes_per_device(optimizer):
+    """The most bytes of optimizer state (master copies, slots) on one device."""
+    totals = {}
+    for variable in optimizer.variables:
+        for shard in variable.value.addressable_shards:
+            totals[shard.device] = totals.get(shard.device, 0) + shard.data.nbytes
+    return max(totals.values())
+
+
+def jax_zero():
+    """`shard_optimizer_state=True` (ZeRO-1) under `DataParallel` on 4 devices
+    and `ModelParallel` on 2 x 2: the unsharded run's results, master copies
+    and slots split over the batch axis, less optimizer memory per device, a
+    `.keras` round trip that keeps the shards and resumes exactly; and a
+    clear error without a distribution."""
+    import tempfile
+
+    import jax
+
+    x, y = data()
+    x = np.repeat(x, 2, axis=0)  # 8 rows a replica on 4 replicas
+    y = np.repeat(y, 2, axis=0)
+    batch = 2 * GLOBAL_BATCH
+    distributions = {
+        "DataParallel": lambda: keras.distribution.DataParallel(devices=jax.devices()),
+        "ModelParallel": lambda: keras.distribution.ModelParallel(
+            layout_map=mesh_layout_map(), batch_dim_name="batch"
+        ),
+    }
+    for where, make in distributions.items():
+        for name, amp in (
+            ("O2-float16", {"amp_level": "O2"}),
+            ("O3-bfloat16", {"amp_level": "O3", "amp_dtype": "bfloat16"}),
+        ):
+            runs = {}
+            for shard in (False, True):
+                keras.distribution.set_distribution(make())
+                model = build()
+                model.compile(
+                    optimizer=keras.optimizers.Adam(1e-2),
+                    loss="mse",
+                    shard_optimizer_state=shard,
+                    **amp,
+                )
+                model.fit(x, y, batch_size=batch, epochs=2, shuffle=False, verbose=0)
+                runs[shard] = model
+            sharded, plain = runs[True], runs[False]
+            assert sharded.optimizer.shard_optimizer_state
+            assert_same(state(sharded), state(plain), 1e-5)
+            replicas = 4 if where == "DataParallel" else 2
+            for variable in sharded.trainable_variables:
+                # Split where a dimension not split yet divides by the replicas.
+                free = [
+                    n % replicas == 0 and a is None for n, a in zip(variable.shape, spec(variable))
+                ]
+                for v in state_of(sharded.optimizer, variable):
+                    assert ("batch" in spec(v)) == any(free), (v.path, spec(v))
+                assert "batch" not in spec(variable), (variable.path, spec(variable))
+            less = state_bytes_per_device(sharded.optimizer)
+            more = state_bytes_per_device(plain.optimizer)
+            assert less < 0.6 * more, (less, more)
+
+            path = os.path.join(tempfile.mkdtemp(), "model.keras")
+            sharded.save(path)
+            loaded = keras.models.load_model(path)
+            assert loaded.optimizer.shard_optimizer_state
+            for m in (sharded, loaded):
+                m.fit(x, y, batch_size=batch, epochs=1, shuffle=False, verbose=0)
+            assert_same(state(loaded), state(sharded), 0.0)
+            for a, b in zip(sharded.optimizer.variables, loaded.optimizer.variables):
+                assert spec(a) == spec(b), (a.path, spec(a), spec(b))
+            print(f"jax_zero {where} {name}: ok ({less} of {more} bytes a device)")
+
+    keras.distribution.set_distribution(None)
+    model = build()
+    model.compile(optimizer="adam", loss="mse", amp_level="O2", shard_optimizer_state=True)
+    try:
+        model.fit(np.nan_to_num(x), y, batch_size=batch, epochs=1, verbose=0)
+    except ValueError as error:
+        assert "keras.distribution.set_distribution" in str(error), str(error)
+    else:
+        raise AssertionError("shard_optimizer_state=True trained without a distribution")
+    print("jax_zero without a distribution: refused")
 
 
 def tf_central_storage_refused():

@@ -57,3 +57,29 @@ def test_jax_data_parallel():
     out = _run("jax_data_parallel", "jax")
     for level in LEVELS:
         assert f"jax_data_parallel {level}: ok" in out, out
+
+
+@pytest.mark.skipif(BACKEND != "jax", reason="keras.distribution on JAX")
+def test_jax_model_parallel_at_every_level():
+    """`ModelParallel` + `LayoutMap` on a 2 x 2 mesh, O1-O3 in float16 and
+    bfloat16: master copies and slots laid out like their variables, the
+    single-device run's steps, and an exact `.keras` round trip."""
+    out = _run("jax_model_parallel", "jax")
+    for level in ("O1-float16", "O2-float16", "O2-bfloat16", "O3-float16", "O3-bfloat16"):
+        assert f"jax_model_parallel {level}: ok" in out, out
+
+
+@pytest.mark.skipif(BACKEND != "jax", reason="keras.distribution on JAX")
+def test_jax_model_parallel_with_keras_hub_s_layout_map():
+    out = _run("jax_model_parallel_gemma", "jax")
+    for level in ("O2-float16", "O3-bfloat16"):
+        assert f"jax_model_parallel_gemma {level}: ok" in out, out
+
+
+@pytest.mark.skipif(BACKEND != "jax", reason="keras.distribution on JAX")
+def test_jax_zero_shards_the_optimizer_state_over_the_replicas():
+    out = _run("jax_zero", "jax")
+    for where in ("DataParallel", "ModelParallel"):
+        for level in ("O2-float16", "O3-bfloat16"):
+            assert f"jax_zero {where} {level}: ok" in out, out
+    assert "jax_zero without a distribution: refused" in out, out

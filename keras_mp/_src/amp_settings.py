@@ -14,6 +14,7 @@ import numbers
 import keras
 
 from keras_mp._src import keras_internals
+from keras_mp._src import zero
 from keras_mp._src.auto_level import pick_auto_level
 from keras_mp._src.levels import LEVELS
 from keras_mp._src.levels import Compute
@@ -40,6 +41,8 @@ class AmpSettings:
         deny: the user's `deny` entries.
         loss_scale: `"dynamic"`, a fixed scale, or None (no wrapper).
         master_weights: None (True), True, False or `"compensated"`.
+        shard_optimizer_state: bool; True shards the optimizer's state
+            over the data-parallel replicas (`zero.py`).
     """
 
     level: Level
@@ -49,6 +52,7 @@ class AmpSettings:
     deny: tuple = ()
     loss_scale: object = None
     master_weights: object = None
+    shard_optimizer_state: bool = False
 
     @property
     def name(self):
@@ -152,6 +156,7 @@ def for_compile(
     master_weights=None,
     amp_allow=(),
     amp_deny=(),
+    shard_optimizer_state=False,
 ):
     """`compile(amp_level=...)`'s settings; `"auto"` is picked here, once."""
     if amp_level != "auto":
@@ -161,6 +166,7 @@ def for_compile(
     check_loss_scale(loss_scale)
     check_keep_batchnorm_fp32(keep_batchnorm_fp32)
     check_master_weights(master_weights, allowed_none=True)
+    zero.check_argument(shard_optimizer_state)
     allow = check_layer_list(amp_allow, "amp_allow")
     deny = check_layer_list(amp_deny, "amp_deny")
     if amp_level == "auto":
@@ -199,14 +205,23 @@ def for_compile(
             loss_scale = None
     if keep_batchnorm_fp32 is None:
         keep_batchnorm_fp32 = level.keep_batchnorm_fp32_default
-    return AmpSettings(level, half, keep_batchnorm_fp32, allow, deny, loss_scale, master_weights)
+    return AmpSettings(
+        level,
+        half,
+        keep_batchnorm_fp32,
+        allow,
+        deny,
+        loss_scale,
+        master_weights,
+        shard_optimizer_state,
+    )
 
 
 def needs_level_message(**given):
     """The error of amp keywords given without `amp_level`."""
     return (
-        "`amp_dtype`, `loss_scale`, `keep_batchnorm_fp32`, "
-        "`master_weights`, `amp_allow` and `amp_deny` need `amp_level` "
+        "`amp_dtype`, `loss_scale`, `keep_batchnorm_fp32`, `master_weights`, "
+        "`amp_allow`, `amp_deny` and `shard_optimizer_state` need `amp_level` "
         f"(one of {', '.join(LEVELS)} or 'auto'). Received: amp_level=None, "
         + ", ".join(f"{k}={v!r}" for k, v in given.items())
     )

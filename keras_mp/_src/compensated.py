@@ -37,6 +37,7 @@ import keras
 from keras import ops
 
 from keras_mp._src import backends
+from keras_mp._src import keras_internals
 from keras_mp._src.master_weights import COMPENSATED
 from keras_mp._src.master_weights import is_half
 from keras_mp._src.master_weights import state_name
@@ -56,7 +57,8 @@ class CompensatedUpdates:
             narrow for the optimizer's slots: use master weights).
     """
 
-    def __init__(self, inner_optimizer, var_list, skip=frozenset()):
+    def __init__(self, inner_optimizer, var_list, skip=frozenset(), layout_of=None):
+        layout_of = layout_of or keras_internals.variable_layout
         float16 = [
             v.path for v in var_list if keras.backend.standardize_dtype(v.dtype) == "float16"
         ]
@@ -77,7 +79,7 @@ class CompensatedUpdates:
                     initializer="zeros",
                     dtype=variable.dtype,
                     name=state_name(variable, "compensation"),
-                    layout=getattr(variable, "_layout", None),
+                    layout=layout_of(variable),
                 )
         if self.buffers:
             self._install()

@@ -64,6 +64,7 @@ def _compile_with_amp(
     master_weights=None,
     amp_allow=None,
     amp_deny=None,
+    shard_optimizer_state=False,
     **kwargs,
 ):
     if amp_level is None:
@@ -74,8 +75,9 @@ def _compile_with_amp(
             master_weights=master_weights,
             amp_allow=amp_allow,
             amp_deny=amp_deny,
+            shard_optimizer_state=shard_optimizer_state,
         )
-        defaults = {"amp_dtype": DEFAULT, "loss_scale": DEFAULT}
+        defaults = {"amp_dtype": DEFAULT, "loss_scale": DEFAULT, "shard_optimizer_state": False}
         if any(value is not defaults.get(key) for key, value in given.items()):
             raise ValueError(amp_settings.needs_level_message(**given))
         saved_precision.restore_saved(self)
@@ -100,6 +102,7 @@ def _compile_with_amp(
         master_weights,
         allow if amp_allow is None else amp_allow,
         deny if amp_deny is None else amp_deny,
+        shard_optimizer_state,
     )
     bound = _keras_compile_signature.bind(self, *args, **kwargs)
     bound.apply_defaults()
@@ -112,6 +115,7 @@ def _compile_with_amp(
         amp.loss_scale,
         half_variables=amp.half_variables,
         master_weights=amp.master_weights,
+        shard_optimizer_state=amp.shard_optimizer_state,
     )
     clip_in_float32(getattr(optimizer, "inner_optimizer", optimizer))
     # `loss_scale=None` (O1/O2 in bfloat16) leaves it bare on purpose.

@@ -102,6 +102,11 @@ def recast(variable, dtype):
     variable._initialize(value)
 
 
+def variable_layout(variable):
+    """The `keras.distribution` layout a variable was given (JAX), or None."""
+    return getattr(variable, "_layout", None)
+
+
 def built_variables(optimizer):
     """The variables an optimizer was built on, in order."""
     return optimizer._trainable_variables

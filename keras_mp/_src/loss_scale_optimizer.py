@@ -11,6 +11,7 @@ from keras_mp._src import keras_internals
 from keras_mp._src import stateless
 from keras_mp._src import tf_keras_names
 from keras_mp._src import unscaled_loss
+from keras_mp._src import zero
 from keras_mp._src.compensated import CompensatedUpdates
 from keras_mp._src.inner_optimizer import check_inner_only_arguments
 from keras_mp._src.inner_optimizer import check_inner_optimizer
@@ -97,6 +98,10 @@ class LossScaleOptimizer(
             instead of 4, and the slots stay bfloat16), with steps computed
             in float32. For bfloat16 variables and an inner `Adam`, `AdamW`
             or `SGD`.
+        shard_optimizer_state: bool. `True` (JAX, under a
+            `keras.distribution` with a batch axis) shards the master copies
+            and the inner optimizer's slots over the data-parallel replicas
+            as well as their variables' layout (ZeRO stage 1, `zero.py`).
         name: string or `None`. The optimizer's name.
 
     Example:
@@ -131,6 +136,7 @@ class LossScaleOptimizer(
         max_scale=2.0**24,
         skip_on_overflow=True,
         master_weights=True,
+        shard_optimizer_state=False,
         name=None,
         **kwargs,
     ):
@@ -150,6 +156,7 @@ class LossScaleOptimizer(
             skip_on_overflow=skip_on_overflow,
         )
         check_master_weights(master_weights)
+        zero.check_argument(shard_optimizer_state)
         if name is not None and not isinstance(name, str):
             raise TypeError(f"`name` must be a string or None. Received: name={name!r}")
         # Keras's built-in __init__ refuses `dynamic=False`; skip it and set up
@@ -166,6 +173,7 @@ class LossScaleOptimizer(
         clip_in_float32(self.inner_optimizer)
         self._config = config
         self._master_weights = master_weights
+        self._shard_optimizer_state = shard_optimizer_state
         self._masters = None  # the float32 copies, made at `build`
         self.initial_scale = float(initial_scale)
         self.dynamic_growth_steps = dynamic_growth_steps
@@ -209,6 +217,11 @@ class LossScaleOptimizer(
         return self._config
 
     @property
+    def shard_optimizer_state(self):
+        """Whether master copies and slots are sharded over the replicas."""
+        return self._shard_optimizer_state
+
+    @property
     def master_weights(self):
         """How half variables are updated: `True` (float32 copies), `False`, or
         `"compensated"` (bfloat16 compensation buffers)."""
@@ -240,16 +253,18 @@ class LossScaleOptimizer(
         var_list = list(var_list)
         skip = self._skip_indices(var_list)
         targets = var_list
+        layout_of, laid_out = zero.layouts(self.inner_optimizer, self._shard_optimizer_state)
         if self.master_weights is True:
-            masters = MasterWeights(self, var_list, skip=skip)
+            masters = MasterWeights(self, var_list, skip=skip, layout_of=layout_of)
             if masters:
                 self._masters = masters
                 targets = masters.targets(var_list)
-        self.inner_optimizer.build(targets)
+        with laid_out:
+            self.inner_optimizer.build(targets)
         if self._masters is not None:
             self._masters.exclude_copies_like(self.inner_optimizer, var_list)
         elif self.master_weights == COMPENSATED:
-            CompensatedUpdates(self.inner_optimizer, var_list, skip=skip)
+            CompensatedUpdates(self.inner_optimizer, var_list, skip=skip, layout_of=layout_of)
         # The base optimizer's build (not the Keras built-in's, which would
         # create a second set of state variables).
         super(_KerasLossScaleOptimizer, self).build(var_list)
@@ -373,6 +388,7 @@ class LossScaleOptimizer(
             "initial_scale": self.initial_scale,
             "dynamic_growth_steps": self.dynamic_growth_steps,
             "master_weights": self._master_weights,
+            "shard_optimizer_state": self._shard_optimizer_state,
         }
 
     @classmethod

@@ -26,6 +26,7 @@ import keras
 from keras import ops
 
 from keras_mp._src import backends
+from keras_mp._src import keras_internals
 from keras_mp._src.levels import HALF_DTYPES
 
 # `master_weights`'s third value: bfloat16 compensation buffers (`compensated.py`).
@@ -69,7 +70,8 @@ class MasterWeights:
             (`overwrite_with_gradient`: their "gradient" is their new value).
     """
 
-    def __init__(self, optimizer, var_list, skip=frozenset()):
+    def __init__(self, optimizer, var_list, skip=frozenset(), layout_of=None):
+        layout_of = layout_of or keras_internals.variable_layout
         self.positions = [i for i, v in enumerate(var_list) if is_half(v) and i not in skip]
         self.copies = {}
         first = len(optimizer._variables)
@@ -88,7 +90,7 @@ class MasterWeights:
                 initializer="zeros",
                 dtype="float32",
                 name=state_name(variable),
-                layout=getattr(variable, "_layout", None),
+                layout=layout_of(variable),
             )
         # What each variable's storage was when last written here (PyTorch):
         # unchanged since, it needs no reconciliation.

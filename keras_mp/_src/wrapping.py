@@ -37,13 +37,16 @@ _WRAPPED = "_keras_mp_wrapped_optimizers"
 _LEFT_BARE = "_keras_mp_left_bare"
 
 
-def wrap_optimizer(optimizer, loss_scale, half_variables, master_weights):
+def wrap_optimizer(
+    optimizer, loss_scale, half_variables, master_weights, shard_optimizer_state=False
+):
     """The optimizer a model trains with, under the amp settings.
 
     `master_weights` (None: True) matters where the level makes variables half
     (`half_variables`, O3): without a loss scale, the optimizer is wrapped all
     the same, in a fixed scale of 1, for the float32 copies (and the skip of a
-    non-finite step that comes with the wrapper).
+    non-finite step that comes with the wrapper). So it is for
+    `shard_optimizer_state=True`, which the wrapper carries out (`zero.py`).
     """
     masters = True if master_weights is None else master_weights
     if isinstance(optimizer, keras.optimizers.LossScaleOptimizer):
@@ -58,8 +61,14 @@ def wrap_optimizer(optimizer, loss_scale, half_variables, master_weights):
                 f"master_weights={master_weights!r}, "
                 f"optimizer.master_weights={converted.master_weights!r}"
             )
+        if shard_optimizer_state and not converted.shard_optimizer_state:
+            raise ValueError(
+                "`shard_optimizer_state` and the LossScaleOptimizer passed as "
+                "`optimizer` disagree; set it on one of them. Received: "
+                "shard_optimizer_state=True, optimizer.shard_optimizer_state=False"
+            )
         return converted
-    if loss_scale is None and not (half_variables and masters):
+    if loss_scale is None and not (half_variables and masters) and not shard_optimizer_state:
         return optimizer
     if loss_scale is None:
         loss_scale = 1.0  # the wrapper for the master weights only
@@ -70,17 +79,24 @@ def wrap_optimizer(optimizer, loss_scale, half_variables, master_weights):
         and wrapper.dynamic == dynamic
         and (dynamic or wrapper.initial_scale == float(loss_scale))
         and wrapper.master_weights == masters
+        and wrapper.shard_optimizer_state == shard_optimizer_state
     ):
         # The same optimizer compiled again (a second `compile` call): its
         # wrapper, with its state, rather than a second one around it.
         return wrapper
     if dynamic:
-        return LossScaleOptimizer(optimizer, master_weights=masters, name="loss_scale_optimizer")
+        return LossScaleOptimizer(
+            optimizer,
+            master_weights=masters,
+            shard_optimizer_state=shard_optimizer_state,
+            name="loss_scale_optimizer",
+        )
     return LossScaleOptimizer(
         optimizer,
         dynamic=False,
         initial_scale=float(loss_scale),
         master_weights=masters,
+        shard_optimizer_state=shard_optimizer_state,
         name="loss_scale_optimizer",
     )
 

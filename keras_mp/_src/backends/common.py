@@ -26,6 +26,8 @@ WIDE_FLOATS = ("float32", "float64")
 # `fit` and `stateless_apply` are functions of values (JAX) rather than of
 # variables updated in place (TensorFlow, PyTorch).
 STATELESS = False
+# Whether `keras.distribution` can shard the optimizer state (`zero.py`).
+SHARDS_OPTIMIZER_STATE = False
 # Whether a train step runs eagerly, once per step (PyTorch): a failed step
 # can be run again after keeping the failing layers in float32.
 EAGER_STEP = False
