@@ -17,15 +17,26 @@ import os
 import sys
 
 SCENARIO = sys.argv[1]
+if SCENARIO == "jax_two_processes":
+    # One CPU device a process; the processes meet at a coordinator.
+    os.environ["JAX_PLATFORMS"] = "cpu"
+    PROCESS_ID, PORT = int(sys.argv[2]), sys.argv[3]
+    import jax
+
+    jax.config.update("jax_cpu_collectives_implementation", "gloo")
+    jax.distributed.initialize(
+        coordinator_address=f"localhost:{PORT}", num_processes=2, process_id=PROCESS_ID
+    )
 # keras.distribution's mesh of 2 x 2 (batch x model) for model parallelism.
 MESH_DEVICES = 4
 if SCENARIO.startswith("jax"):
     # Two CPU devices (four for a mesh), on a machine with a GPU too.
     os.environ["JAX_PLATFORMS"] = "cpu"
     count = MESH_DEVICES if "model_parallel" in SCENARIO or "zero" in SCENARIO else 2
-    os.environ["XLA_FLAGS"] = (
-        os.environ.get("XLA_FLAGS", "") + f" --xla_force_host_platform_device_count={count}"
-    )
+    if SCENARIO != "jax_two_processes":
+        os.environ["XLA_FLAGS"] = (
+            os.environ.get("XLA_FLAGS", "") + f" --xla_force_host_platform_device_count={count}"
+        )
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 
 import numpy as np  # noqa: E402
@@ -577,6 +588,48 @@ def jax_zero():
     else:
         raise AssertionError("shard_optimizer_state=True trained without a distribution")
     print("jax_zero without a distribution: refused")
+
+
+def jax_two_processes():
+    """Two JAX processes (`jax.distributed`, CPU collectives over gloo), one
+    device each, under `DataParallel`: each feeds its half of every global
+    batch, and only process 0's half of one batch has a NaN. Both must make
+    one skip decision per step and keep identical weights, those of one
+    device trained on the global batches. Prints the state as JSON."""
+    import hashlib
+    import json
+
+    import jax
+
+    assert jax.process_count() == 2 and len(jax.devices()) == 2, jax.devices()
+    x, y = data()
+    half = GLOBAL_BATCH // 2
+    rows = np.concatenate(
+        [
+            np.arange(step * GLOBAL_BATCH, (step + 1) * GLOBAL_BATCH)[
+                PROCESS_ID * half : (PROCESS_ID + 1) * half
+            ]
+            for step in range(STEPS)
+        ]
+    )
+    for name, amp, rtol in LEVELS[1:3]:  # O2 and O3 in float16
+        keras.distribution.set_distribution(None)
+        single = compiled(**amp)
+        single.fit(x, y, batch_size=GLOBAL_BATCH, epochs=2, shuffle=False, verbose=0)
+
+        # Each process feeds its own half: the data is sharded already.
+        distribution = keras.distribution.DataParallel(
+            devices=jax.devices(), auto_shard_dataset=False
+        )
+        keras.distribution.set_distribution(distribution)
+        model = compiled(**amp)
+        model.fit(x[rows], y[rows], batch_size=half, epochs=2, shuffle=False, verbose=0)
+        ours = state(model)
+        assert_same(ours, state(single), rtol)
+        digest = hashlib.sha256(b"".join(w.tobytes() for w in ours["weights"])).hexdigest()
+        summary = {k: v for k, v in ours.items() if k != "weights"}
+        print(json.dumps({"level": name, "process": PROCESS_ID, "weights": digest, **summary}))
+    keras.distribution.set_distribution(None)
 
 
 def tf_central_storage_refused():

@@ -83,3 +83,40 @@ def test_jax_zero_shards_the_optimizer_state_over_the_replicas():
         for level in ("O2-float16", "O3-bfloat16"):
             assert f"jax_zero {where} {level}: ok" in out, out
     assert "jax_zero without a distribution: refused" in out, out
+
+
+@pytest.mark.skipif(BACKEND != "jax", reason="jax.distributed")
+def test_two_jax_processes_make_one_skip_decision_and_keep_one_set_of_weights():
+    """Two processes on this machine (`jax.distributed.initialize`, CPU
+    collectives over gloo), one device each, under `DataParallel`; only
+    process 0 sees the NaN. Each checks itself against one device trained on
+    the global batches; here, both must report the same state and weights."""
+    import json
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("localhost", 0))
+        port = str(s.getsockname()[1])
+    path = os.pathsep.join(p for p in (ROOT, os.environ.get("PYTHONPATH")) if p)
+    env = dict(os.environ, KERAS_BACKEND="jax", PYTHONPATH=path)
+    processes = [
+        subprocess.Popen(
+            [sys.executable, WORKER, "jax_two_processes", str(i), port],
+            env=env,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        for i in (0, 1)
+    ]
+    outputs = []
+    for process in processes:
+        out, err = process.communicate(timeout=480)
+        assert process.returncode == 0, (out[-2000:], err[-6000:])
+        outputs.append([json.loads(line) for line in out.splitlines() if line.startswith("{")])
+    first, second = outputs
+    assert [r["level"] for r in first] == ["O2", "O3"]
+    for a, b in zip(first, second):
+        assert (a["process"], b["process"]) == (0, 1)
+        assert {**a, "process": None} == {**b, "process": None}, (a, b)
+        assert a["skipped_steps"] == 2  # the NaN batch, once an epoch, on both
