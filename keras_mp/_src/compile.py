@@ -15,6 +15,7 @@ import keras
 
 from keras_mp._src import amp_settings
 from keras_mp._src import backends
+from keras_mp._src import half_initializers
 from keras_mp._src import keras_internals
 from keras_mp._src import model_hooks
 from keras_mp._src import policies
@@ -190,3 +191,4 @@ def install():
         if getattr(Trainer, name) is not hook:
             setattr(Trainer, name, hook)
     model_hooks.install()
+    half_initializers.install()
