@@ -67,3 +67,17 @@ def test_the_setting_is_saved_with_the_optimizer():
     config = optimizer.get_config()
     assert config["shard_optimizer_state"] is False
     assert keras_mp.LossScaleOptimizer.from_config(config).shard_optimizer_state is False
+
+
+@pytest.mark.skipif(BACKEND != "jax", reason="keras.distribution on JAX")
+def test_compile_and_an_explicit_optimizer_must_agree():
+    model = keras.Sequential([keras.Input((3,)), keras.layers.Dense(1)])
+    optimizer = keras_mp.LossScaleOptimizer(keras.optimizers.Adam())
+    with pytest.raises(ValueError, match="shard_optimizer_state=True, optimizer.shard_optimizer"):
+        model.compile(optimizer=optimizer, loss="mse", amp_level="O2", shard_optimizer_state=True)
+    sharded = keras_mp.LossScaleOptimizer(keras.optimizers.Adam(), shard_optimizer_state=True)
+    model.compile(optimizer=sharded, loss="mse", amp_level="O2")
+    assert model.optimizer is sharded
+    bare = keras.Sequential([keras.Input((3,)), keras.layers.Dense(1)])
+    bare.compile(optimizer="adam", loss="mse", amp_level="O0", shard_optimizer_state=True)
+    assert bare.optimizer.shard_optimizer_state  # wrapped for it, even at O0
