@@ -375,6 +375,7 @@ def jax_data_parallel():
 # (name, compile arguments, tolerance against the single-device run)
 MESH_LEVELS = (
     ("O1-float16", {"amp_level": "O1"}, 2e-2),
+    ("O1-bfloat16", {"amp_level": "O1", "amp_dtype": "bfloat16"}, 5e-2),
     ("O2-float16", {"amp_level": "O2"}, 2e-2),
     ("O2-bfloat16", {"amp_level": "O2", "amp_dtype": "bfloat16"}, 5e-2),
     ("O3-float16", {"amp_level": "O3"}, 2e-2),

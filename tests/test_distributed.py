@@ -65,7 +65,14 @@ def test_jax_model_parallel_at_every_level():
     bfloat16: master copies and slots laid out like their variables, the
     single-device run's steps, and an exact `.keras` round trip."""
     out = _run("jax_model_parallel", "jax")
-    for level in ("O1-float16", "O2-float16", "O2-bfloat16", "O3-float16", "O3-bfloat16"):
+    for level in (
+        "O1-float16",
+        "O1-bfloat16",
+        "O2-float16",
+        "O2-bfloat16",
+        "O3-float16",
+        "O3-bfloat16",
+    ):
         assert f"jax_model_parallel {level}: ok" in out, out
 
 
