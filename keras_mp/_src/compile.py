@@ -43,8 +43,9 @@ def compile(model, *args, **kwargs):
             "bfloat16"), `loss_scale` ("dynamic", a number for a fixed scale,
             or None), `keep_batchnorm_fp32`, `master_weights` (None:
             True; O3's half variables are updated through float32 copies),
-            and `amp_allow`/`amp_deny`: `apply_amp`'s `allow`/`deny` (None:
-            those of the model's latest `apply_amp`, if any).
+            `amp_allow`/`amp_deny`: `apply_amp`'s `allow`/`deny` (None:
+            those of the model's latest `apply_amp`, if any), and
+            `shard_optimizer_state` (JAX under `keras.distribution`: ZeRO-1).
     """
     if not isinstance(model, keras.Model):
         raise TypeError(
