@@ -203,10 +203,15 @@ def _warn_jax_cpu_attention_once(layer):
 
 _O1_O2 = (Compute.ALLOW, Compute.DENY)
 
-RULES = (
-    # Kept at every level: another policy would change what they compute.
+# Kept at every level, whatever the level or the layer's place: another
+# policy would change what they compute (`to_float` and a loaded model's
+# saved precision ask these rows too, `kept_reason`).
+KEPT = (
     Rule((layer_is(quantized),), KEEP, "quantized ({policy}): kept"),
     Rule((layer_is(computes_no_float),), KEEP, "{compute} outputs: kept"),
+)
+
+RULES = KEPT + (
     # The model's structure.
     Rule((is_model_io,), FLOAT32, "{level}: model, float32 inputs and outputs"),
     Rule((is_container,), CONTAINER, "{level}: container"),
@@ -302,9 +307,9 @@ def first_rule(layer, place, rules=RULES):
 
 def kept_reason(layer):
     """Why `layer` keeps its own policy at every level, or None."""
-    for condition, reason in ((quantized, RULES[0].reason), (computes_no_float, RULES[1].reason)):
-        if condition(layer):
-            return _reason(reason, layer, None)
+    for rule in KEPT:
+        if all(condition(layer, None) for condition in rule.when):
+            return _reason(rule.reason, layer, None)
     return None
 
 
