@@ -132,17 +132,20 @@ def check_loss_scale(loss_scale):
         )
 
 
+def _keep_batchnorm_fp32(value, level):
+    """`keep_batchnorm_fp32` as given, or the level's default for None."""
+    return level.keep_batchnorm_fp32_default if value is None else value
+
+
 def for_layers(level, dtype="float16", keep_batchnorm_fp32=None, allow=None, deny=None):
     """`apply_amp`'s settings: its arguments checked, named as it names them."""
     level = get_level(level)
     half = check_half_dtype(dtype)
     check_keep_batchnorm_fp32(keep_batchnorm_fp32)
-    if keep_batchnorm_fp32 is None:
-        keep_batchnorm_fp32 = level.keep_batchnorm_fp32_default
     return AmpSettings(
         level,
         half,
-        keep_batchnorm_fp32,
+        _keep_batchnorm_fp32(keep_batchnorm_fp32, level),
         allow=check_layer_list(allow, "allow"),
         deny=check_layer_list(deny, "deny"),
     )
@@ -161,8 +164,7 @@ def for_compile(
     """`compile(amp_level=...)`'s settings; `"auto"` is picked here, once."""
     if amp_level != "auto":
         get_level(amp_level, "amp_level", also=("auto",))
-    if amp_dtype is not DEFAULT:
-        check_half_dtype(amp_dtype, "amp_dtype")
+    given_half = None if amp_dtype is DEFAULT else check_half_dtype(amp_dtype, "amp_dtype")
     check_loss_scale(loss_scale)
     check_keep_batchnorm_fp32(keep_batchnorm_fp32)
     check_master_weights(master_weights, allowed_none=True)
@@ -172,7 +174,7 @@ def for_compile(
     if amp_level == "auto":
         name, auto_dtype, reason = pick_auto_level()
         level = get_level(name)
-        half = auto_dtype if amp_dtype is DEFAULT else amp_dtype
+        half = given_half or auto_dtype
         if level.computes_in_half:
             keras_internals.print_msg(
                 f"keras_mp: amp_level='auto' picked {level.name} in {half}: {reason}."
@@ -184,7 +186,7 @@ def for_compile(
             )
     else:
         level = get_level(amp_level)
-        half = "float16" if amp_dtype is DEFAULT else check_half_dtype(amp_dtype, "amp_dtype")
+        half = given_half or "float16"
     if master_weights == COMPENSATED and half == "float16":
         raise ValueError(
             "`master_weights='compensated'` compensates bfloat16 variables; "
@@ -203,12 +205,10 @@ def for_compile(
             loss_scale = 1.0
         else:
             loss_scale = None
-    if keep_batchnorm_fp32 is None:
-        keep_batchnorm_fp32 = level.keep_batchnorm_fp32_default
     return AmpSettings(
         level,
         half,
-        keep_batchnorm_fp32,
+        _keep_batchnorm_fp32(keep_batchnorm_fp32, level),
         allow,
         deny,
         loss_scale,

@@ -70,17 +70,9 @@ def _compile_with_amp(
     **kwargs,
 ):
     if amp_level is None:
-        given = dict(
-            amp_dtype=amp_dtype,
-            loss_scale=loss_scale,
-            keep_batchnorm_fp32=keep_batchnorm_fp32,
-            master_weights=master_weights,
-            amp_allow=amp_allow,
-            amp_deny=amp_deny,
-            shard_optimizer_state=shard_optimizer_state,
-        )
-        defaults = {"amp_dtype": DEFAULT, "loss_scale": DEFAULT, "shard_optimizer_state": False}
-        if any(value is not defaults.get(key) for key, value in given.items()):
+        arguments = locals()
+        given = {name: arguments[name] for name in _AMP_DEFAULTS}
+        if any(given[name] is not default for name, default in _AMP_DEFAULTS.items()):
             raise ValueError(amp_settings.needs_level_message(**given))
         saved_precision.restore_saved(self)
         if policies.is_amp_model(self):
@@ -137,6 +129,17 @@ def _compile_with_amp(
     )
     guard_train_step(self)
     return result
+
+
+# The amp keywords other than `amp_level` and their defaults, as the
+# signature above gives them: any other value needs `amp_level`.
+_AMP_DEFAULTS = {
+    name: parameter.default
+    for name, parameter in inspect.signature(
+        _compile_with_amp, follow_wrapped=False
+    ).parameters.items()
+    if parameter.kind is inspect.Parameter.KEYWORD_ONLY and name != "amp_level"
+}
 
 
 def _scaled_as_keras_would(model, args, kwargs):
