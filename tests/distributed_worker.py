@@ -460,16 +460,16 @@ def jax_model_parallel():
 
 
 def jax_model_parallel_gemma():
-    """A tiny KerasHub Gemma under its own `get_layout_map`, at O2 and O3."""
+    """The zoo's tiny KerasHub Gemma under its own `get_layout_map`, at O2
+    and O3 (two key/value heads, so that the "model" axis splits them)."""
     import jax
     import keras_hub
 
+    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    from tests.zoo import families
+
     mesh = keras.distribution.DeviceMesh((2, 2), ("batch", "model"), jax.devices())
     layout_map = keras_hub.models.GemmaBackbone.get_layout_map(mesh)
-    rng = np.random.default_rng(0)
-    ids = rng.integers(1, 100, size=(8, 8)).astype("int32")
-    x = {"token_ids": ids, "padding_mask": np.ones_like(ids, dtype="bool")}
-    y = rng.integers(0, 100, size=(8, 8))
     for name, amp in (
         ("O2-float16", {"amp_level": "O2"}),
         ("O3-bfloat16", {"amp_level": "O3", "amp_dtype": "bfloat16"}),
@@ -478,22 +478,9 @@ def jax_model_parallel_gemma():
             keras.distribution.ModelParallel(layout_map=layout_map, batch_dim_name="batch")
         )
         keras.utils.set_random_seed(0)
-        backbone = keras_hub.models.GemmaBackbone(
-            vocabulary_size=100,
-            num_layers=2,
-            num_query_heads=2,
-            num_key_value_heads=2,
-            hidden_dim=16,
-            intermediate_dim=32,
-            head_dim=8,
-        )
-        model = keras_hub.models.GemmaCausalLM(backbone, preprocessor=None)
-        model.compile(
-            optimizer=keras.optimizers.Adam(1e-3),
-            loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
-            **amp,
-        )
-        embeddings = backbone.get_layer("token_embedding").embeddings
+        model, x, y, loss = families.gemma(num_key_value_heads=2)
+        model.compile(optimizer=keras.optimizers.Adam(1e-3), loss=loss, **amp)
+        embeddings = model.backbone.get_layer("token_embedding").embeddings
         assert spec(embeddings) == ("model", "batch"), spec(embeddings)
         before = [numpy(v) for v in model.trainable_variables]
         history = model.fit(x, y, batch_size=8, epochs=2, verbose=0)

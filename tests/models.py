@@ -58,3 +58,22 @@ def functional_classifier():
     h = keras.layers.BatchNormalization(name="bn")(h)
     outputs = keras.layers.Dense(3, activation="softmax", name="probs")(h)
     return keras.Model(inputs, outputs)
+
+
+def o3_classifier(optimizer, dtype="bfloat16", **amp):
+    """`dense_bn_classifier` compiled at O3 in `dtype` (half variables),
+    with the optimizer and amp settings given."""
+    model = dense_bn_classifier()
+    model.compile(
+        optimizer=optimizer,
+        loss="sparse_categorical_crossentropy",
+        amp_level="O3",
+        amp_dtype=dtype,
+        **amp,
+    )
+    return model
+
+
+def half_weights(model):
+    """The model's float16 and bfloat16 trainable variables."""
+    return [v for v in model.trainable_variables if v.dtype in ("float16", "bfloat16")]

@@ -9,28 +9,12 @@ import keras_mp
 from tests import models
 
 
-def _compiled(optimizer, master_weights="compensated"):
-    model = models.dense_bn_classifier()
-    model.compile(
-        optimizer=optimizer,
-        loss="sparse_categorical_crossentropy",
-        amp_level="O3",
-        amp_dtype="bfloat16",
-        master_weights=master_weights,
-    )
-    return model
-
-
-def _half_weights(model):
-    return [v for v in model.trainable_variables if v.dtype in ("float16", "bfloat16")]
-
-
 def test_compensated_updates_keep_no_float32_copy():
     """Adam, O3 bfloat16: a half variable costs its buffer and two bfloat16
     slots (6 bytes a weight) instead of a float32 copy and float32 slots (12)."""
 
     def optimizer_bytes(master_weights):
-        model = _compiled(keras.optimizers.Adam(1e-3), master_weights=master_weights)
+        model = models.o3_classifier(keras.optimizers.Adam(1e-3), master_weights=master_weights)
         model.optimizer.build(model.trainable_variables)
         size = {"float32": 4, "float16": 2, "bfloat16": 2}
         arrays = [v for v in model.optimizer.variables if len(v.shape)]  # not the counters
@@ -38,7 +22,7 @@ def test_compensated_updates_keep_no_float32_copy():
 
     compensated, model = optimizer_bytes("compensated")
     masters, _ = optimizer_bytes(True)
-    half = sum(int(np.prod(v.shape)) for v in _half_weights(model))
+    half = sum(int(np.prod(v.shape)) for v in models.half_weights(model))
     full = sum(int(np.prod(v.shape)) for v in model.trainable_variables) - half
     assert half > 0
     assert compensated == 6 * half + 8 * full

@@ -30,22 +30,6 @@ def _model():
     return models.dense_bn_classifier()
 
 
-def _compiled(optimizer, dtype="bfloat16", **amp):
-    model = _model()
-    model.compile(
-        optimizer=optimizer,
-        loss="sparse_categorical_crossentropy",
-        amp_level="O3",
-        amp_dtype=dtype,
-        **amp,
-    )
-    return model
-
-
-def _half_weights(model):
-    return [v for v in model.trainable_variables if v.dtype in ("float16", "bfloat16")]
-
-
 def _master_copies(model):
     """The optimizer's float32 variables by name: a half variable's copy is
     named after its variable's path (`dense_kernel`)."""
@@ -60,7 +44,7 @@ def _name(variable, suffix=None):
 def _half_nonzero_weights(model):
     # Weights that start away from 0 (kernels, BatchNorm's gamma): near 0 a
     # half dtype's spacing is tiny and any update moves a weight.
-    return [v for v in _half_weights(model) if v.name in ("kernel", "gamma")]
+    return [v for v in models.half_weights(model) if v.name in ("kernel", "gamma")]
 
 
 @pytest.mark.skipif(keras.backend.backend() == "torch", reason="XLA: TensorFlow and JAX")
@@ -99,7 +83,7 @@ def test_o3_fit_compiled_by_xla_from_the_first_step(master_weights):
         np.testing.assert_allclose(_numpy(got), _numpy(want), rtol=5e-2, atol=2e-2)
     if master_weights is True:
         copies = _master_copies(model)
-        for variable in _half_weights(model):
+        for variable in models.half_weights(model):
             rounded = keras.ops.cast(copies[_name(variable)], variable.dtype)
             np.testing.assert_array_equal(_numpy(variable), _numpy(rounded))
 
@@ -117,7 +101,7 @@ def test_updates_below_bfloat16_resolution_accumulate(master_weights):
     reference.compile(optimizer=keras.optimizers.SGD(1e-4), loss="sparse_categorical_crossentropy")
     initial = {v.path.split("/", 1)[1]: _numpy(v) for v in reference.trainable_variables}
     fit(reference)
-    model = _compiled(keras.optimizers.SGD(1e-4), master_weights=master_weights)
+    model = models.o3_classifier(keras.optimizers.SGD(1e-4), master_weights=master_weights)
     started = {v.path.split("/", 1)[1]: _numpy(v) for v in _half_nonzero_weights(model)}
     assert started, "O3 made no variable half"
     fit(model)
@@ -182,7 +166,7 @@ def test_o3_bfloat16_follows_float32_training():
 def test_skipped_step_leaves_variables_copies_and_slots_bit_identical(
     jax_skip_form, dtype, master_weights
 ):
-    model = _compiled(
+    model = models.o3_classifier(
         keras.optimizers.Adam(1e-2),
         dtype=dtype,
         loss_scale="dynamic",
@@ -216,7 +200,7 @@ def test_weights_set_from_outside_are_kept(dtype):
     with a learning rate of 0 the step must leave the set weights as they are
     (a stale copy written back would restore the trained ones).
     """
-    model = _compiled(keras.optimizers.SGD(1e-2), dtype=dtype)
+    model = models.o3_classifier(keras.optimizers.SGD(1e-2), dtype=dtype)
     x, y = _data()
     model.fit(x, y, batch_size=BATCH, epochs=2, verbose=0)
     rng = np.random.default_rng(1)
@@ -268,11 +252,11 @@ def test_weight_decay_and_its_exclusions_at_o3(dtype, master_weights, pattern):
 
 def test_master_weights_need_a_bool_and_agree_with_the_optimizer():
     with pytest.raises(TypeError, match="master_weights=1"):
-        _compiled("sgd", master_weights=1)
+        models.o3_classifier("sgd", master_weights=1)
     with pytest.raises(ValueError, match="'compensated'.*master_weights='kahan'"):
-        _compiled("sgd", master_weights="kahan")
+        models.o3_classifier("sgd", master_weights="kahan")
     with pytest.raises(ValueError, match="amp_dtype='float16', master_weights='compensated'"):
-        _compiled("sgd", dtype="float16", master_weights="compensated")
+        models.o3_classifier("sgd", dtype="float16", master_weights="compensated")
     # Float16 variables made by hand: refused at build, naming them.
     model = _model()
     model.compile(optimizer="sgd", loss="mse", amp_level="O3", amp_dtype="float16")
@@ -280,12 +264,12 @@ def test_master_weights_need_a_bool_and_agree_with_the_optimizer():
     with pytest.raises(ValueError, match="these are float16.*hidden/kernel"):
         lso.build(model.trainable_variables)
     # An optimizer without a float32 rule here: refused at build, naming it.
-    model = _compiled(keras.optimizers.RMSprop(), master_weights="compensated")
+    model = models.o3_classifier(keras.optimizers.RMSprop(), master_weights="compensated")
     with pytest.raises(ValueError, match="inner optimizer is RMSprop.*master_weights=True"):
         model.optimizer.build(model.trainable_variables)
     lso = keras_mp.LossScaleOptimizer(keras.optimizers.SGD(), master_weights=False)
     with pytest.raises(ValueError, match="master_weights=True.*optimizer.master_weights=False"):
-        _compiled(lso, master_weights=True)
+        models.o3_classifier(lso, master_weights=True)
     with pytest.raises(ValueError, match="need `amp_level`"):
         _model().compile(optimizer="sgd", loss="mse", master_weights=True)
 
@@ -341,12 +325,12 @@ def test_state_is_named_after_its_variable(tmp_path):
     """Each master copy, Adam slot and compensation buffer names its
     variable's path: unique, readable in `optimizer.variables`, and the same
     after a `.keras` round trip."""
-    model = _compiled(keras.optimizers.Adam(1e-3))
+    model = models.o3_classifier(keras.optimizers.Adam(1e-3))
     x, y = _data()
     model.fit(x, y, batch_size=BATCH, epochs=1, verbose=0)
     paths = [v.path for v in model.optimizer.variables]
     assert len(set(paths)) == len(paths), paths
-    for variable in _half_weights(model):
+    for variable in models.half_weights(model):
         name = _name(variable)  # e.g. sequential_hidden_kernel
         assert f"loss_scale_optimizer/{name}" in paths, (name, paths)
         slot = f"/loss_scale_optimizer_{name}_momentum"  # adam/..., under the wrapper on TF
@@ -357,13 +341,13 @@ def test_state_is_named_after_its_variable(tmp_path):
     # Named after the loaded model's own paths (Keras gives a loaded
     # Sequential's variables paths of its own), with the saved values.
     loaded_paths = [v.path for v in loaded.optimizer.variables]
-    for variable in _half_weights(loaded):
+    for variable in models.half_weights(loaded):
         assert f"loss_scale_optimizer/{_name(variable)}" in loaded_paths, loaded_paths
     for saved, restored in zip(model.optimizer.variables, loaded.optimizer.variables):
         np.testing.assert_array_equal(_numpy(restored), _numpy(saved), err_msg=saved.path)
 
-    compensated = _compiled(keras.optimizers.Adam(1e-3), master_weights="compensated")
+    compensated = models.o3_classifier(keras.optimizers.Adam(1e-3), master_weights="compensated")
     compensated.optimizer.build(compensated.trainable_variables)
     names = {v.name for v in compensated.optimizer.variables}
-    for variable in _half_weights(compensated):
+    for variable in models.half_weights(compensated):
         assert _name(variable, "compensation") in names

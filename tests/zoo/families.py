@@ -71,13 +71,13 @@ def gpt2():
     return _causal_lm(rng, keras_hub.models.GPT2CausalLM(backbone, preprocessor=None))
 
 
-def gemma():
+def gemma(num_key_value_heads=1):
     rng = _rng()
     backbone = keras_hub.models.GemmaBackbone(
         vocabulary_size=VOCAB,
         num_layers=2,
         num_query_heads=2,
-        num_key_value_heads=1,
+        num_key_value_heads=num_key_value_heads,
         hidden_dim=16,
         intermediate_dim=32,
         head_dim=8,
