@@ -148,7 +148,7 @@ def apply(model, amp):
     set_policies(model, decisions)
     _annotate_returns(boundaries.set_boundaries(model, outputs, entry_dtype))
     mark_amp_model(model)
-    object.__setattr__(model, _LAYER_LISTS_ATTRIBUTE, (amp.allow, amp.deny))
+    set_layer_lists(model, amp.allow, amp.deny)
     return model
 
 
