@@ -332,3 +332,139 @@ def weights_of(layer):
 def moved(before, after):
     """How many of the weights changed at all."""
     return sum(not np.array_equal(a, b) for a, b in zip(before, after))
+
+
+# -- Forward-Forward: an optimizer in each layer --------------------------------
+
+
+class FFDense(layers.Layer):
+    """keras-io's `examples/vision/forwardforward.py` layer: a Dense that
+    trains itself, with its own optimizer, in `forward_forward`."""
+
+    def __init__(self, units, optimizer, loss_metric, num_epochs=5, **kwargs):
+        super().__init__(**kwargs)
+        self.dense = layers.Dense(units=units)
+        self.relu = layers.ReLU()
+        self.optimizer = optimizer
+        self.loss_metric = loss_metric
+        self.threshold = 1.5
+        self.num_epochs = num_epochs
+
+    def call(self, x):
+        x_norm = ops.norm(x, ord=2, axis=1, keepdims=True)
+        x_norm = x_norm + 1e-4
+        x_dir = x / x_norm
+        res = self.dense(x_dir)
+        return self.relu(res)
+
+    def ff_loss(self, x_pos, x_neg):
+        g_pos = ops.mean(ops.power(self.call(x_pos), 2), 1)
+        g_neg = ops.mean(ops.power(self.call(x_neg), 2), 1)
+        loss = ops.log(
+            1 + ops.exp(ops.concatenate([-g_pos + self.threshold, g_neg - self.threshold], 0))
+        )
+        return ops.cast(ops.mean(loss), "float32")
+
+    def forward_forward(self, x_pos, x_neg):
+        for _ in range(self.num_epochs):
+            if keras.backend.backend() == "tensorflow":
+                import tensorflow as tf
+
+                with tf.GradientTape() as tape:
+                    mean_loss = self.ff_loss(x_pos, x_neg)
+                    self.loss_metric.update_state([mean_loss])
+                gradients = tape.gradient(mean_loss, self.dense.trainable_weights)
+                self.optimizer.apply_gradients(zip(gradients, self.dense.trainable_weights))
+            elif keras.backend.backend() == "jax":  # a gradient, then `apply`
+                import jax
+
+                def loss_of(values):
+                    mapping = zip(self.dense.trainable_weights, values)
+                    with keras.StatelessScope(state_mapping=mapping):
+                        return self.ff_loss(x_pos, x_neg)
+
+                weights = self.dense.trainable_weights
+                mean_loss, gradients = jax.value_and_grad(loss_of)([w.value for w in weights])
+                self.loss_metric.update_state([mean_loss])
+                self.optimizer.apply(gradients, weights)
+            else:  # PyTorch: the same step with `backward()`
+                import torch
+
+                for weight in self.dense.trainable_weights:
+                    weight.value.grad = None
+                mean_loss = self.ff_loss(x_pos, x_neg)
+                self.loss_metric.update_state([mean_loss.detach()])
+                mean_loss.backward()
+                gradients = [w.value.grad for w in self.dense.trainable_weights]
+                with torch.no_grad():
+                    self.optimizer.apply(gradients, self.dense.trainable_weights)
+        return (
+            ops.stop_gradient(self.call(x_pos)),
+            ops.stop_gradient(self.call(x_neg)),
+            self.loss_metric.result(),
+        )
+
+
+class FFNetwork(keras.Model):
+    """keras-io's `FFNetwork`: a `train_step` that trains each `FFDense`
+    with its own optimizer; labels overlaid on the first 10 pixels."""
+
+    def __init__(self, dims, **kwargs):
+        super().__init__(**kwargs)
+        self.loss_var = keras.Variable(0.0, trainable=False, dtype="float32")
+        self.loss_count = keras.Variable(0.0, trainable=False, dtype="float32")
+        self.layer_list = [keras.Input(shape=(dims[0],))]
+        for d in range(len(dims) - 1):
+            self.layer_list += [
+                FFDense(
+                    dims[d + 1],
+                    optimizer=keras.optimizers.Adam(learning_rate=0.03),
+                    loss_metric=keras.metrics.Mean(),
+                )
+            ]
+
+    def overlay_y_on_x(self, x, y):
+        max_sample = ops.max(x, axis=1, keepdims=True)
+        return ops.concatenate([ops.one_hot(y, 10) * max_sample, x[:, 10:]], axis=1)
+
+    def train_step(self, *state_and_data):
+        # JAX's `fit` passes (state, data): the step is refused there before
+        # it runs (its compiled step carries `model.optimizer`'s state only).
+        x, y = state_and_data[-1]
+        x = ops.reshape(x, (-1, 64))
+        x_pos = self.overlay_y_on_x(x, y)
+        random_y = keras.random.shuffle(y, seed=self.seed)
+        x_neg = self.overlay_y_on_x(x, random_y)
+        h_pos, h_neg = x_pos, x_neg
+        for layer in self.layers:
+            if isinstance(layer, FFDense):
+                h_pos, h_neg, loss = layer.forward_forward(h_pos, h_neg)
+                self.loss_var.assign_add(loss)
+                self.loss_count.assign_add(1.0)
+        return {"FinalLoss": self.loss_var / self.loss_count}
+
+    @functools.cached_property
+    def seed(self):
+        return keras.random.SeedGenerator(7)
+
+
+def forward_forward(dims=(64, 16, 16)):
+    """keras-io's Forward-Forward network on 8x8 digits, seeded."""
+    keras.utils.set_random_seed(4)
+    model = FFNetwork(dims=list(dims))
+    # Built on a batch, as Keras asks on JAX and PyTorch (no `call` to build from).
+    h = np.zeros((1, dims[0]), "float32")
+    for layer in ff_layers(model):
+        h = layer(h)
+    model.built = True
+    return model
+
+
+def ff_layers(model):
+    return [layer for layer in model.layers if isinstance(layer, FFDense)]
+
+
+def compile_ff(model, **kwargs):
+    """keras-io's compile, less its `loss="mse"` and `Mean()` metric, which
+    its step never uses and Keras cannot build without a `call`."""
+    model.compile(optimizer=keras.optimizers.Adam(learning_rate=0.03), **kwargs)

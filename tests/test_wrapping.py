@@ -15,6 +15,7 @@ import numpy as np
 import pytest
 
 import keras_mp
+from keras_mp._src import wrapping
 from tests import keras_io
 
 BACKEND = keras.backend.backend()
@@ -311,3 +312,140 @@ def test_overflow_guard_watches_each_optimizer_and_names_the_one_that_stops():
     assert guard.stopped_step == 2, guard.message  # the third step, counted from 0
     assert "`d_optimizer`: 3 steps in a row were skipped" in guard.message
     assert history.history["g_optimizer_skipped_steps"] == [0]
+
+
+# -- optimizers held by layers: keras-io's Forward-Forward ------------------------
+
+
+def _ff_fit(level, dtype, x, y, **kwargs):
+    """keras-io's Forward-Forward network after `apply_amp`, fitted."""
+    model = keras_io.forward_forward()
+    if level != "O0":
+        keras_mp.apply_amp(model, level, dtype)
+    keras_io.compile_ff(model)
+    before = [keras_io.weights_of(layer.dense) for layer in keras_io.ff_layers(model)]
+    history, told = _fit_quietly(model, x, y, batch_size=128, shuffle=False, **kwargs)
+    return model, before, history.history, told
+
+
+@needs_stateful_fit
+@pytest.mark.parametrize(
+    "level, dtype, dynamic, masters",
+    [
+        ("O1", "float16", True, False),
+        ("O2", "float16", True, False),
+        ("O3", "bfloat16", False, True),
+    ],
+)
+def test_each_layers_own_optimizer_is_wrapped_named_and_trains(level, dtype, dynamic, masters):
+    """Forward-Forward's `FFDense` layers each step their own Adam in the
+    model's `train_step`. Before, each stayed bare at every level: at O3
+    bfloat16 FinalLoss stood still (no weight moved) and in float16 the logs
+    held only the model optimizer's scale, which the step never applies.
+    Now each is wrapped as its layer's precision needs, logged under its
+    layer's name, listed by precision_summary, and learns as float32 does."""
+    x, y = keras_io.digits()
+    _, _, reference, _ = _ff_fit("O0", "float16", x, y, epochs=3)
+    model, before, logs, told = _ff_fit(level, dtype, x, y, epochs=3)
+    summary = keras_mp.precision_summary(model)
+    rows = {row["optimizer"]: row for row in summary.optimizers}
+    for layer, weights in zip(keras_io.ff_layers(model), before):
+        optimizer = layer.optimizer
+        label = f"{layer.name}.optimizer"
+        assert isinstance(optimizer, keras_mp.LossScaleOptimizer), label
+        assert optimizer.dynamic is dynamic
+        assert optimizer.config.checks_finite
+        assert (optimizer._masters is not None) is masters
+        assert int(keras.ops.convert_to_numpy(optimizer.iterations)) == 3 * 2 * 5
+        assert keras_io.moved(weights, keras_io.weights_of(layer.dense)) == len(weights)
+        assert f"{label}_loss_scale" in logs and f"{label}_skipped_steps" in logs
+        assert rows[label]["class"] == "LossScaleOptimizer(Adam)"
+        # FF's loss never reaches `scale_loss`: in float16 the warning names
+        # the line in the layer's own code.
+        line = f"`self.optimizer` (in FFDense `{layer.name}`)"
+        assert sum(line in t for t in told) == (1 if dynamic else 0), told
+    assert "loss_scale" not in logs  # the model's `optimizer`: never applied
+    assert logs["FinalLoss"][-1] < logs["FinalLoss"][0]
+    np.testing.assert_allclose(logs["FinalLoss"], reference["FinalLoss"], rtol=0.02)
+
+
+@needs_stateful_fit
+def test_a_nan_batch_skips_every_layers_step_and_changes_nothing():
+    """A NaN batch reaches each FFDense step: each layer's optimizer skips
+    its five steps (its weights, slots and iterations as after the clean
+    batch alone, bit for bit), the step's own counters are put back, and
+    OverflowGuard names the layer's optimizer that stops a run of them.
+    Before, the bare Adams applied it: every weight NaN."""
+    from keras_mp.callbacks import OverflowGuard
+
+    x, y = keras_io.digits(256)
+    x = x.copy()
+    x[128:] = np.nan  # the second batch
+    clean, _, _, _ = _ff_fit("O2", "float16", x[:128], y[:128], epochs=1)
+    model, _, logs, _ = _ff_fit("O2", "float16", x, y, epochs=1)
+    for want, got in zip(keras_io.ff_layers(clean), keras_io.ff_layers(model)):
+        assert logs[f"{got.name}.optimizer_skipped_steps"] == [5]
+        for a, b in zip(
+            want.optimizer.inner_optimizer.variables, got.optimizer.inner_optimizer.variables
+        ):
+            np.testing.assert_array_equal(
+                keras.ops.convert_to_numpy(a), keras.ops.convert_to_numpy(b), err_msg=a.path
+            )
+        for a, b in zip(keras_io.weights_of(want), keras_io.weights_of(got)):
+            np.testing.assert_array_equal(a, b)
+    # The step's own counters (its non-trainable variables) are put back too
+    # (the batch's logs were computed before, from the NaN).
+    for name in ("loss_var", "loss_count"):
+        want, got = (keras.ops.convert_to_numpy(getattr(m, name)) for m in (clean, model))
+        np.testing.assert_array_equal(want, got)
+
+    guard = OverflowGuard(patience=3, verbose=0)
+    x[:128] = np.nan
+    model, _, _, _ = _ff_fit("O2", "float16", x, y, epochs=1, callbacks=[guard])
+    first = keras_io.ff_layers(model)[0].name
+    assert guard.stopped_step is not None
+    assert f"`{first}.optimizer`: " in guard.message, guard.message
+
+
+@pytest.mark.skipif(BACKEND != "jax", reason="JAX's fit carries model.optimizer's state only")
+def test_jax_fit_refuses_a_step_that_applies_a_layers_optimizer_and_says_what_works():
+    """On JAX, Keras's compiled `fit` step carries `model.optimizer`'s
+    state only; a step that trains with a layer's own optimizer is refused
+    with its name and the loop that works, not a bare TypeError."""
+    x, y = keras_io.digits(128)
+    model = keras_io.forward_forward()
+    keras_mp.apply_amp(model, "O2", "float16")
+    keras_io.compile_ff(model)
+    with pytest.raises(ValueError) as raised:
+        model.fit(x, y, batch_size=128, verbose=0)
+    for layer in keras_io.ff_layers(model):
+        assert f"`{layer.name}.optimizer`" in str(raised.value)
+    assert "stateless_apply" in str(raised.value) and "examples/gan.py" in str(raised.value)
+
+
+def test_find_optimizers_looks_in_layers_and_nested_models():
+    """Optimizers are found in the model's attributes, its layers' and its
+    nested models', each once, labelled after where it is held."""
+
+    class Owner(keras.layers.Layer):
+        def __init__(self, **kwargs):
+            super().__init__(**kwargs)
+            self.dense = keras.layers.Dense(2)
+            self.optimizer = keras.optimizers.SGD()
+            self.spare = [keras.optimizers.Adam()]
+
+        def call(self, x):
+            return self.dense(x)
+
+    inner = keras.Sequential([keras.Input((3,)), Owner(name="owner")], name="inner")
+    inner.compile(optimizer="adam", loss="mse")
+    outer = keras.Sequential([keras.Input((3,)), inner], name="outer")
+    outer.compile(optimizer="sgd", loss="mse")
+    labels = [held.label for held in wrapping.find_optimizers(outer)]
+    assert labels == ["optimizer", "inner.optimizer", "owner.optimizer", "owner.spare[0]"]
+    owner = inner.get_layer("owner")
+    held = wrapping.find_optimizers(outer)[2]
+    assert held.holder is owner and held.attribute == "optimizer"
+    new = keras.optimizers.SGD()
+    held.setter(new)
+    assert owner.optimizer is new

@@ -102,6 +102,12 @@ def recast(variable, dtype):
     variable._initialize(value)
 
 
+def hold_values(variables):
+    """Whether the variables hold values (inside JAX's `fit`, and after one
+    that failed before its state came back, they hold None)."""
+    return all(v._value is not None for v in variables)
+
+
 def variable_layout(variable):
     """The `keras.distribution` layout a variable was given (JAX), or None."""
     return getattr(variable, "_layout", None)

@@ -185,8 +185,7 @@ class LossScaleOptimizer(
         # Inside a `fit` step (set by its train step, `train_step.py`): whether
         # the loss reached `scale_loss` in this step; None outside one.
         self._scaled_this_step = None
-        # The model attribute that holds this optimizer (`d_optimizer`), for
-        # messages and logs; set where keras_mp finds it (`wrapping.py`).
+        # Where the model holds it, for logs and messages (`wrapping.name_in_logs`).
         self._keras_mp_label = "optimizer"
         # How many times `apply`/`stateless_apply` ran in Python (traced or
         # run): which optimizers a step of the model's own uses (the logs).
@@ -265,8 +264,7 @@ class LossScaleOptimizer(
             self._masters.exclude_copies_like(self.inner_optimizer, var_list)
         elif self.master_weights == COMPENSATED:
             CompensatedUpdates(self.inner_optimizer, var_list, skip=skip, layout_of=layout_of)
-        # The base optimizer's build (not the Keras built-in's, which would
-        # create a second set of state variables).
+        # The base optimizer's build (Keras's built-in's makes a second state).
         super(_KerasLossScaleOptimizer, self).build(var_list)
         deferred_loading.load_kept(self, super().load_own_variables)
 
@@ -348,6 +346,8 @@ class LossScaleOptimizer(
             )
 
     def finalize_variable_values(self, var_list):
+        if not keras_internals.hold_values(var_list):  # a JAX `fit` that failed
+            return
         if self._masters is None:
             self.inner_optimizer.finalize_variable_values(var_list)
         else:

@@ -71,8 +71,8 @@ def _optimizer_rows(model):
     if not isinstance(model, keras.Model):
         return []
     rows = []
-    half = wrapping.has_half_variables(model)
-    for label, _, optimizer in wrapping.find_optimizers(model):
+    for label, _, optimizer, holder, _ in wrapping.find_optimizers(model):
+        half = wrapping.has_half_variables(holder)
         if isinstance(optimizer, keras.optimizers.LossScaleOptimizer) and hasattr(
             optimizer, "config"
         ):

@@ -278,6 +278,48 @@ def _keep_failing_layers_in_float32(model, error):
         )
 
 
+class _OnlyTheModelsOptimizer:
+    """JAX: Keras's compiled `fit` step carries `model.optimizer`'s values
+    only (the other variables hold no value while it is traced), so any
+    other optimizer (a GAN's `d_optimizer`, a layer's own) that the step
+    applies is refused by name while the step is traced, with the loop that
+    does it; a step that fails before reaching it gets the same note."""
+
+    def __init__(self, optimizers):
+        self.others = [label for label, _ in optimizers if label != "optimizer"]
+        self.optimizers = [o for label, o in optimizers if label != "optimizer"]
+
+    def _message(self, labels):
+        names = ", ".join(f"`{label}`" for label in labels)
+        return (
+            f"keras_mp: on JAX, `fit`'s compiled train step carries only "
+            f"`model.optimizer`'s state (Keras's JAX trainer): the variables of "
+            f"{names} and of the layers they train hold no value there and "
+            f"cannot change. Train such a model with a `jax.jit` loop of your "
+            f"own that passes each optimizer's variables through its "
+            f"`stateless_apply` (keras_mp's `examples/gan.py` does it for two "
+            f"optimizers), or with the TensorFlow or PyTorch backend, whose "
+            f"`fit` takes it as written."
+        )
+
+    def __enter__(self):
+        for label, optimizer in zip(self.others, self.optimizers):
+
+            def refuse(*args, label=label, **kwargs):
+                raise ValueError(self._message([label]))
+
+            object.__setattr__(optimizer, "apply", refuse)
+
+    def __exit__(self, kind, error, traceback):
+        for optimizer in self.optimizers:
+            optimizer.__dict__.pop("apply", None)
+        if error is not None and self.others and not str(error).startswith("keras_mp: on JAX"):
+            raise ValueError(
+                f"The train step failed ({type(error).__name__}: {error}). "
+                + self._message(self.others)
+            ) from error
+
+
 def _stateless_train_step(original, model, optimizers, guard):
     # JAX's step carries `model.optimizer`'s values only: the others'
     # variables cannot change inside it (Keras's JAX trainer).
@@ -285,7 +327,7 @@ def _stateless_train_step(original, model, optimizers, guard):
 
     def train_step(state, data):
         old_non_trainable = state[1]
-        with _StepFlags(optimizers):
+        with _StepFlags(optimizers), _OnlyTheModelsOptimizer(optimizers):
             logs, new_state = original(state, data)
         if optimizer is None:
             return logs, new_state

@@ -60,9 +60,13 @@ def _warn_unscaled_in_a_train_step(self, method):
     if self._warned_unscaled_loss:
         return
     self._warned_unscaled_loss = True
-    line = f"loss = self.{self._keras_mp_label}.scale_loss(loss)"
+    # Where the model holds it (`wrapping.name_in_logs`): `self.d_optimizer`,
+    # or `self.optimizer` in a layer's own code.
+    code = getattr(self, "_keras_mp_code", f"self.{self._keras_mp_label}")
+    holder = getattr(self, "_keras_mp_holder", "")
+    line = f"loss = {code}.scale_loss(loss)"
     warnings.warn(
-        f"keras_mp: LossScaleOptimizer.{method} of `self.{self._keras_mp_label}` "
+        f"keras_mp: LossScaleOptimizer.{method} of `{code}`{holder} "
         f"was called in a train_step whose loss was never scaled: its "
         f"gradients are applied as they are (checked, and a step whose "
         f"gradients are not finite is skipped), without loss scaling, so "

@@ -20,14 +20,15 @@ The attribute then holds the wrapper (what `self.d_optimizer` gives the
 model's own `train_step`), and keras_mp says once which it wrapped.
 """
 
+import typing
 import warnings
 
 import keras
 
 from keras_mp._src import keras_internals
+from keras_mp._src import layer_tree
 from keras_mp._src.inner_optimizer import clip_in_float32
 from keras_mp._src.inner_optimizer import wrapper_of
-from keras_mp._src.layer_tree import layers_in_order
 from keras_mp._src.levels import HALF_DTYPES
 from keras_mp._src.loss_scale_optimizer import LossScaleOptimizer
 
@@ -141,7 +142,7 @@ def needs(model):
     scale that checks each step) where layers compute in half otherwise
     (bfloat16; O3's pure half policies); None where nothing computes in half.
     """
-    policies = [layer.dtype_policy for layer in layers_in_order(model)]
+    policies = [layer.dtype_policy for layer in layer_tree.layers_in_order(model)]
     if not any(keras.backend.standardize_dtype(p.compute_dtype) in HALF_DTYPES for p in policies):
         return None
     if any(p.name == "mixed_float16" for p in policies):
@@ -153,25 +154,49 @@ def has_half_variables(model):
     """Whether a layer of `model` keeps its variables in half (O3)."""
     return any(
         keras.backend.standardize_dtype(layer.dtype_policy.variable_dtype) in HALF_DTYPES
-        for layer in layers_in_order(model)
+        for layer in layer_tree.layers_in_order(model)
     )
 
 
-def find_optimizers(model):
-    """The optimizers `model` holds: `(label, setter, optimizer)` for each.
+class Held(typing.NamedTuple):
+    """An optimizer a model holds, and where.
 
-    In its attributes (`optimizer`, `d_optimizer`), and in lists, tuples and
-    dicts held in them (`optimizers[1]`, `optimizers['generator']`); each
-    optimizer once, first `optimizer`. `setter(new)` puts `new` in its place.
+    `label` names it in logs and messages (`d_optimizer`, or
+    `ff_dense.optimizer` for a layer's own); `holder` is the model or layer
+    whose attribute `attribute` holds it (`self.optimizer` in that layer's
+    code); `setter(new)` puts `new` in its place.
+    """
+
+    label: str
+    setter: typing.Callable
+    optimizer: object
+    holder: object
+    attribute: str
+
+
+def find_optimizers(model):
+    """The optimizers `model` holds, as `Held`s, each once, `optimizer` first.
+
+    In its attributes (`optimizer`, `d_optimizer`), in lists, tuples and
+    dicts held in them (`optimizers[1]`, `optimizers['generator']`), and the
+    same in every layer and nested model of its tree: a layer that steps its
+    own optimizer (keras-io's Forward-Forward `FFDense`) is labelled
+    `<layer name>.<attribute>`.
     """
     found, seen = [], set()
+    holders = layer_tree.layers_in_order(model) if isinstance(model, keras.Layer) else [model]
+    for holder in holders:
+        prefix = "" if holder is model else f"{holder.name}."
+        for held in _held_by(holder, prefix):
+            if id(held.optimizer) not in seen:
+                seen.add(id(held.optimizer))
+                found.append(held)
+    return found
 
-    def add(label, setter, value):
-        if isinstance(value, keras.optimizers.Optimizer) and id(value) not in seen:
-            seen.add(id(value))
-            found.append((label, setter, value))
 
-    attributes = dict(vars(model))
+def _held_by(holder, prefix):
+    """The optimizers among `holder`'s own attributes (not its layers')."""
+    attributes = dict(vars(holder))
     names = ["optimizer"] + sorted(n for n in attributes if n != "optimizer")
     for name in names:
         if name.startswith("_") or name not in attributes:
@@ -179,36 +204,40 @@ def find_optimizers(model):
         value = attributes[name]
 
         def set_attribute(new, name=name):
-            setattr(model, name, new)
+            setattr(holder, name, new)
 
-        add(name, set_attribute, value)
-        if isinstance(value, (list, tuple)):
+        if isinstance(value, keras.optimizers.Optimizer):
+            yield Held(prefix + name, set_attribute, value, holder, name)
+        elif isinstance(value, (list, tuple)):
             for i, item in enumerate(value):
 
                 def set_item(new, name=name, i=i):
-                    items = getattr(model, name)
+                    items = getattr(holder, name)
                     if isinstance(items, tuple):
-                        setattr(model, name, items[:i] + (new,) + items[i + 1 :])
+                        setattr(holder, name, items[:i] + (new,) + items[i + 1 :])
                     else:
                         items[i] = new
 
-                add(f"{name}[{i}]", set_item, item)
+                if isinstance(item, keras.optimizers.Optimizer):
+                    yield Held(f"{prefix}{name}[{i}]", set_item, item, holder, f"{name}[{i}]")
         elif isinstance(value, dict):
             for key, item in value.items():
 
                 def set_value(new, name=name, key=key):
-                    getattr(model, name)[key] = new
+                    getattr(holder, name)[key] = new
 
-                add(f"{name}[{key!r}]", set_value, item)
-    return found
+                if isinstance(item, keras.optimizers.Optimizer):
+                    yield Held(
+                        f"{prefix}{name}[{key!r}]", set_value, item, holder, f"{name}[{key!r}]"
+                    )
 
 
 def loss_scale_optimizers(model):
     """`(label, optimizer)` for each keras_mp LossScaleOptimizer `model` holds."""
     return [
-        (label, optimizer)
-        for label, _, optimizer in find_optimizers(model)
-        if isinstance(optimizer, LossScaleOptimizer)
+        (held.label, held.optimizer)
+        for held in find_optimizers(model)
+        if isinstance(held.optimizer, LossScaleOptimizer)
     ]
 
 
@@ -220,28 +249,32 @@ def leave_bare(model, bare=True):
 def wrap_model_optimizers(model):
     """Wraps each bare optimizer `model` holds in what its precision needs.
 
-    Returns the labels of those it wrapped now (and says so, once per
-    model). An optimizer already built (it has trained) is left as it is,
-    with a warning: its slots belong to the variables it was built on.
+    An optimizer held by a layer or a nested model gets what that layer's
+    own policies need. Returns the labels of those it wrapped now (and says
+    so, once per model). An optimizer already built (it has trained) is left
+    as it is, with a warning: its slots belong to the variables it was built
+    on; a nested model's own compiled optimizer that has trained (a
+    distiller's teacher) is that model's business, and left silently.
     """
     if getattr(model, _LEFT_BARE, False):
         return []
     bare = []
-    for label, setter, optimizer in find_optimizers(model):
-        if isinstance(optimizer, LossScaleOptimizer):
-            optimizer._keras_mp_label = label
-        else:
-            bare.append((label, setter, optimizer))
-    # Every `fit` asks: the layer walks only where an optimizer is bare.
-    loss_scale = needs(model) if bare else None
-    if loss_scale is None:
+    for held in find_optimizers(model):
+        if isinstance(held.optimizer, LossScaleOptimizer):
+            name_in_logs(held)
+        elif not (held.optimizer.built and _compiled_by_a_nested_model(held, model)):
+            bare.append(held)
+    if not bare:  # every `fit` asks: the layer walks only where one is bare
         return []
-    half = has_half_variables(model)
     wrapped = []
-    for label, setter, optimizer in bare:
+    for held in bare:
+        loss_scale = needs(held.holder)
+        if loss_scale is None:
+            continue
+        optimizer = held.optimizer
         if optimizer.built:
             warnings.warn(
-                f"keras_mp: `{label}` ({type(optimizer).__name__}) has already "
+                f"keras_mp: `{held.label}` ({type(optimizer).__name__}) has already "
                 f"trained, so it was not wrapped in a LossScaleOptimizer: the "
                 f"model computes in half, and this optimizer has no loss scale, "
                 f"no float32 master weights and no skip of a non-finite step. "
@@ -249,11 +282,12 @@ def wrap_model_optimizers(model):
                 stacklevel=4,
             )
             continue
+        half = has_half_variables(held.holder)
         wrapper = wrap_optimizer(optimizer, loss_scale, half_variables=True, master_weights=None)
         clip_in_float32(wrapper.inner_optimizer)
-        wrapper._keras_mp_label = label
-        setter(wrapper)
-        wrapped.append((label, f"{type(optimizer).__name__}, {describe(wrapper, half)}"))
+        held.setter(wrapper)
+        name_in_logs(held._replace(optimizer=wrapper))
+        wrapped.append((held.label, f"{type(optimizer).__name__}, {describe(wrapper, half)}"))
     if wrapped:
         object.__setattr__(model, _WRAPPED, list(getattr(model, _WRAPPED, [])) + wrapped)
         keras_internals.print_msg(
@@ -262,6 +296,25 @@ def wrap_model_optimizers(model):
             + " in keras_mp.LossScaleOptimizer, as the model's precision needs."
         )
     return [label for label, _ in wrapped]
+
+
+def name_in_logs(held):
+    """Tells a LossScaleOptimizer where it is held: its label in the logs,
+    and the line a message asks for (`self.<attribute>` in its holder's code)."""
+    optimizer = held.optimizer
+    optimizer._keras_mp_label = held.label
+    optimizer._keras_mp_code = f"self.{held.attribute}"
+    optimizer._keras_mp_holder = (
+        "" if "." not in held.label else f" (in {type(held.holder).__name__} `{held.holder.name}`)"
+    )
+
+
+def _compiled_by_a_nested_model(held, model):
+    return (
+        held.holder is not model
+        and isinstance(held.holder, keras.Model)
+        and (held.attribute == "optimizer")
+    )
 
 
 def describe(optimizer, half_variables=True):
