@@ -7,7 +7,8 @@
 Each backend's `train_step` below is the one the README shows (the tests
 check that they are the same text); `run_step` drives it. The model
 computes in float16 with float32 weights (O2); one batch holds a NaN: its
-step is skipped, the weights stay as they were, and the scale is halved.
+step is skipped, the weights and BatchNorm's moving statistics stay as
+they were, and the scale is halved.
 """
 
 # -- the README's set-up --------------------------------------------------------
@@ -20,7 +21,9 @@ keras.utils.set_random_seed(0)
 model = keras.Sequential(
     [
         keras.Input((20,)),
-        keras.layers.Dense(64, activation="relu"),
+        keras.layers.Dense(64),
+        keras.layers.BatchNormalization(),
+        keras.layers.ReLU(),
         keras.layers.Dense(10),
     ]
 )
@@ -37,11 +40,12 @@ if BACKEND == "tensorflow":
 
     @tf.function
     def train_step(x, y):
-        with tf.GradientTape() as tape:
-            loss = loss_fn(y, model(x, training=True))
-            scaled_loss = optimizer.scale_loss(loss)
-        grads = tape.gradient(scaled_loss, model.trainable_variables)
-        optimizer.apply(grads, model.trainable_variables)  # unscales, checks, skips
+        with optimizer.restore_on_skip(model):  # a skipped step keeps BatchNorm's statistics
+            with tf.GradientTape() as tape:
+                loss = loss_fn(y, model(x, training=True))
+                scaled_loss = optimizer.scale_loss(loss)
+            grads = tape.gradient(scaled_loss, model.trainable_variables)
+            optimizer.apply(grads, model.trainable_variables)  # unscales, checks, skips
         return loss
 
 
@@ -60,12 +64,16 @@ if BACKEND == "jax":
     @jax.jit
     def train_step(state, x, y):
         trainable, non_trainable, optimizer_values = state
-        grads, (loss, non_trainable) = jax.grad(compute_loss, has_aux=True)(
+        grads, (loss, new_non_trainable) = jax.grad(compute_loss, has_aux=True)(
             trainable, non_trainable, optimizer_values, x, y
         )
-        trainable, optimizer_values = optimizer.stateless_apply(
-            optimizer_values, grads, trainable
-        )  # unscales, checks, skips
+        # Unscales, checks, skips; a skipped step keeps BatchNorm's statistics.
+        trainable, optimizer_values, non_trainable = optimizer.stateless_apply(
+            optimizer_values,
+            grads,
+            trainable,
+            non_trainable_variables=(non_trainable, new_non_trainable),
+        )
         return loss, (trainable, non_trainable, optimizer_values)
 
     state = (
@@ -91,11 +99,12 @@ if BACKEND == "jax":
 if BACKEND == "torch":
 
     def train_step(x, y):
-        loss = loss_fn(y, model(x, training=True))
-        model.zero_grad()
-        optimizer.scale_loss(loss).backward()
-        grads = [v.value.grad for v in model.trainable_variables]
-        optimizer.apply(grads, model.trainable_variables)  # unscales, checks, skips
+        with optimizer.restore_on_skip(model):  # a skipped step keeps BatchNorm's statistics
+            loss = loss_fn(y, model(x, training=True))
+            model.zero_grad()
+            optimizer.scale_loss(loss).backward()
+            grads = [v.value.grad for v in model.trainable_variables]
+            optimizer.apply(grads, model.trainable_variables)  # unscales, checks, skips
         return loss
 
 
@@ -120,7 +129,10 @@ def main(steps=60, bad_step=30):
     applied = int(keras.ops.convert_to_numpy(optimizer.iterations))
     print(f"backend: {BACKEND}")
     print(f"loss: first {losses[0]:.4f}, last {losses[-1]:.4f}")
+    statistics = [keras.ops.convert_to_numpy(v) for v in model.non_trainable_variables]
+    finite = all(np.isfinite(s).all() for s in statistics)
     print(f"loss scale: {scale:g}, skipped steps: {skipped}, applied steps: {applied}")
+    print(f"BatchNorm's moving statistics finite: {finite}")
     return losses, scale, skipped, applied
 
 

@@ -4,7 +4,8 @@ the example's text and train.
 `examples/custom_training_loop.py` holds one `train_step` per backend; the
 README shows the TensorFlow one under a `<!-- custom-loop: NAME -->` marker.
 The text must match, and the example must train on the backend this process
-runs, skipping its NaN batch with the weights left as they were.
+runs, skipping its NaN batch with the weights and BatchNorm's moving
+statistics left as they were.
 """
 
 import os
@@ -83,15 +84,17 @@ def test_example_loop_trains_and_skips_its_nan_batch(example):
     assert losses[-1] < 0.5 * losses[0]
 
     model, optimizer = example["model"], example["optimizer"]
-    before = [np.array(keras.ops.convert_to_numpy(v)) for v in model.trainable_variables]
+    before = [np.array(keras.ops.convert_to_numpy(v)) for v in model.variables]
     slots = [np.array(keras.ops.convert_to_numpy(v)) for v in optimizer.inner_optimizer.variables]
     x = np.ones((4, 20), "float32")
     x[1, 3] = np.inf
     example["run_step"](x, np.zeros(4, "int32"))
     if BACKEND == "jax":
         example["sync_state"]()
-    for old, variable in zip(before, model.trainable_variables):
-        np.testing.assert_array_equal(old, keras.ops.convert_to_numpy(variable))
+    # Weights, and BatchNorm's moving statistics (README's one line).
+    assert any("moving_mean" in v.path for v in model.non_trainable_variables)
+    for old, variable in zip(before, model.variables):
+        np.testing.assert_array_equal(old, keras.ops.convert_to_numpy(variable), variable.path)
     for old, variable in zip(slots, optimizer.inner_optimizer.variables):
         np.testing.assert_array_equal(old, keras.ops.convert_to_numpy(variable))
     assert int(keras.ops.convert_to_numpy(optimizer.skipped_steps)) == 2

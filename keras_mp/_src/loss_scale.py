@@ -292,3 +292,37 @@ def config_from_arguments(
         max_scale=float(max_scale),
         skip_on_overflow=skip_on_overflow,
     )
+
+
+class ReadOnlySettings:
+    """The optimizer's settings, read-only: the `LossScaleConfig`'s fields and
+    the wrapper's own (mixed into `LossScaleOptimizer`)."""
+
+    @property
+    def config(self):
+        """The `LossScaleConfig` (read-only): the settings of the state machine."""
+        return self._config
+
+    @property
+    def shard_optimizer_state(self):
+        """Whether master copies and slots are sharded over the replicas."""
+        return self._shard_optimizer_state
+
+    @property
+    def master_weights(self):
+        """How half variables are updated: `True` (float32 copies), `False`, or
+        `"compensated"` (bfloat16 compensation buffers)."""
+        return self._master_weights
+
+    # The settings, read-only (the config's fields).
+    dynamic = property(lambda self: self._config.dynamic)
+    growth_factor = property(lambda self: self._config.growth_factor)
+    backoff_factor = property(lambda self: self._config.backoff_factor)
+    min_scale = property(lambda self: self._config.min_scale)
+    max_scale = property(lambda self: self._config.max_scale)
+    skip_on_overflow = property(lambda self: self._config.skip_on_overflow)
+
+    @property
+    def _unit_scale(self):
+        """A fixed scale of 1: nothing to unscale, nothing to warn of."""
+        return not self._config.dynamic and self.initial_scale == 1.0

@@ -8,6 +8,7 @@ from keras import ops
 from keras_mp._src import backends
 from keras_mp._src import deferred_loading
 from keras_mp._src import keras_internals
+from keras_mp._src import skipped_state
 from keras_mp._src import stateless
 from keras_mp._src import tf_keras_names
 from keras_mp._src import unscaled_loss
@@ -18,6 +19,7 @@ from keras_mp._src.inner_optimizer import check_inner_optimizer
 from keras_mp._src.inner_optimizer import check_inner_setting
 from keras_mp._src.inner_optimizer import clip_in_float32
 from keras_mp._src.inner_optimizer import mark_wrapped
+from keras_mp._src.loss_scale import ReadOnlySettings
 from keras_mp._src.loss_scale import Step
 from keras_mp._src.loss_scale import checked_growth_steps
 from keras_mp._src.loss_scale import config_from_arguments
@@ -30,7 +32,11 @@ _KerasLossScaleOptimizer = keras.optimizers.LossScaleOptimizer
 
 @keras.saving.register_keras_serializable(package="keras_mp")
 class LossScaleOptimizer(
-    stateless.StatelessApply, tf_keras_names.TfKeras2Names, _KerasLossScaleOptimizer
+    ReadOnlySettings,
+    stateless.StatelessApply,
+    skipped_state.RestoreOnSkipMethod,
+    tf_keras_names.TfKeras2Names,
+    _KerasLossScaleOptimizer,
 ):
     """An optimizer that scales the loss so float16 gradients do not underflow.
 
@@ -207,37 +213,6 @@ class LossScaleOptimizer(
                 ("skipped_steps", "int", "zeros"),
             )
         )
-
-    # -- configuration, read-only ------------------------------------------
-
-    @property
-    def config(self):
-        """The `LossScaleConfig` (read-only): the settings of the state machine."""
-        return self._config
-
-    @property
-    def shard_optimizer_state(self):
-        """Whether master copies and slots are sharded over the replicas."""
-        return self._shard_optimizer_state
-
-    @property
-    def master_weights(self):
-        """How half variables are updated: `True` (float32 copies), `False`, or
-        `"compensated"` (bfloat16 compensation buffers)."""
-        return self._master_weights
-
-    # The settings, read-only (the config's fields).
-    dynamic = property(lambda self: self._config.dynamic)
-    growth_factor = property(lambda self: self._config.growth_factor)
-    backoff_factor = property(lambda self: self._config.backoff_factor)
-    min_scale = property(lambda self: self._config.min_scale)
-    max_scale = property(lambda self: self._config.max_scale)
-    skip_on_overflow = property(lambda self: self._config.skip_on_overflow)
-
-    @property
-    def _unit_scale(self):
-        """A fixed scale of 1: nothing to unscale, nothing to warn of."""
-        return not self._config.dynamic and self.initial_scale == 1.0
 
     def __setattr__(self, name, value):
         # `lso.use_ema = True` would set the wrapper's own, unused copy.

@@ -8,6 +8,7 @@ to skip stays on the device (`backends/jax.py`).
 import functools
 
 from keras_mp._src import backends
+from keras_mp._src import skipped_state
 from keras_mp._src import unscaled_loss
 from keras_mp._src.inner_optimizer import stateless_apply_kept_if
 
@@ -15,8 +16,17 @@ from keras_mp._src.inner_optimizer import stateless_apply_kept_if
 class StatelessApply:
     """Mixed into `LossScaleOptimizer`."""
 
-    def stateless_apply(self, optimizer_variables, grads, trainable_variables):
+    def stateless_apply(
+        self, optimizer_variables, grads, trainable_variables, non_trainable_variables=None
+    ):
         """Stateless step: returns new trainable and optimizer variable values.
+
+        With `non_trainable_variables=(before, after)` (the non-trainable
+        values given to the forward pass and those it returned, such as
+        BatchNorm's moving statistics), it also returns the non-trainable
+        values to carry on with: `before` where the step was skipped,
+        `after` otherwise (`skipped_state.py`). A custom loop's NaN batch
+        then leaves them as they were, as `fit` does.
 
         Used by `model.fit` on JAX (under `jax.jit`); the decision to skip
         stays on the device: a `lax.cond` on a CPU, selects on a GPU or TPU
@@ -42,14 +52,22 @@ class StatelessApply:
             )
         unscaled_loss.warn_if_the_loss_was_never_scaled(self, "stateless_apply")
         unscaled_loss.warn_if_the_scale_was_a_constant(self, optimizer_variables)
+        if non_trainable_variables is not None:
+            skipped_state.check_pair(non_trainable_variables)
         step = self._step(self._trainable_variables)
-        return backends.current.run_stateless(
+        new_trainable, new_optimizer = backends.current.run_stateless(
             functools.partial(backends.current.stateless_step, step),
             self._stateless_cache,
             optimizer_variables,
             grads,
             list(trainable_variables),
         )
+        if non_trainable_variables is None:
+            return new_trainable, new_optimizer
+        kept = skipped_state.kept_if_skipped(
+            self._state_start + 2, optimizer_variables, new_optimizer, non_trainable_variables
+        )
+        return new_trainable, new_optimizer, kept
 
     def _inner_stateless_apply(self, own_values, inner_values, grads, trainable_values, kept=None):
         """`(new_trainable, new_own, new_inner)` values of an applied step.
