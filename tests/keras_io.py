@@ -468,3 +468,48 @@ def compile_ff(model, **kwargs):
     """keras-io's compile, less its `loss="mse"` and `Mean()` metric, which
     its step never uses and Keras cannot build without a `call`."""
     model.compile(optimizer=keras.optimizers.Adam(learning_rate=0.03), **kwargs)
+
+
+# -- transfer learning: freeze, train, unfreeze, re-compile, fine-tune ------------
+
+
+def transfer_learning_model():
+    """keras-io's `guides/transfer_learning.py` end to end, its base (an
+    Xception there) a small convnet with BatchNormalization, trained on
+    digits as the "pre-trained" weights. Returns `(model, base_model)`,
+    the base frozen, as the guide has it before its first `fit`."""
+    keras.utils.set_random_seed(5)
+    x, y = digits()
+    base_model = keras.Sequential(
+        [
+            keras.Input((8, 8, 1)),
+            layers.Conv2D(8, 3, padding="same", name="conv1"),
+            layers.BatchNormalization(name="bn1"),
+            layers.ReLU(),
+            layers.Conv2D(8, 3, padding="same", name="conv2"),
+            layers.GlobalAveragePooling2D(),
+        ],
+        name="base",
+    )
+    pretrain = keras.Sequential([base_model, layers.Dense(10)])
+    pretrain.compile(
+        optimizer=keras.optimizers.Adam(1e-2),
+        loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+    )
+    pretrain.fit(x, y, epochs=2, batch_size=64, verbose=0)
+
+    base_model.trainable = False
+    inputs = keras.Input(shape=(8, 8, 1))
+    scale_layer = layers.Rescaling(scale=2.0, offset=-1.0)
+    h = scale_layer(inputs)
+    # The base model runs in inference mode, also once it is unfrozen.
+    h = base_model(h, training=False)
+    h = layers.Dropout(0.2)(h)
+    outputs = layers.Dense(1)(h)
+    return keras.Model(inputs, outputs), base_model
+
+
+def transfer_learning_data():
+    """The guide's binary task (cats or dogs): is the digit even?"""
+    x, y = digits()
+    return x, (y % 2 == 0).astype("float32")

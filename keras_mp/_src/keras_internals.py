@@ -96,10 +96,25 @@ def own_variables(layer):
 
 
 def recast(variable, dtype):
-    """Gives a Keras variable a new dtype in place (same object, its value cast)."""
+    """Gives a Keras variable a new dtype in place (same object, its value cast).
+
+    TensorFlow's backing `tf.Variable` is made with the Keras variable's
+    `trainable` of the moment, and keeps it: a weight of a frozen layer
+    recast then would stay out of every `GradientTape` once the layer is
+    unfrozen (Keras's setter changes only its own flag). The new one takes
+    the flag of the one it replaces, as the weight was created.
+    """
     value = keras.ops.cast(variable.value, dtype)
     variable._dtype = dtype
-    variable._initialize(value)
+    created_trainable = getattr(variable._value, "trainable", None)  # a tf.Variable's
+    if created_trainable is None or created_trainable == variable._trainable:
+        variable._initialize(value)
+        return
+    trainable, variable._trainable = variable._trainable, created_trainable
+    try:
+        variable._initialize(value)
+    finally:
+        variable._trainable = trainable
 
 
 def hold_values(variables):
