@@ -513,3 +513,192 @@ def transfer_learning_data():
     """The guide's binary task (cats or dogs): is the digit even?"""
     x, y = digits()
     return x, (y % 2 == 0).astype("float32")
+
+
+# -- DDIM: a normalizer and an EMA network in the train step ------------------------
+
+DDIM_IMAGE_SIZE = 8
+DDIM_BATCH = 32
+EMBEDDING_DIMS = 8
+EMBEDDING_MAX_FREQUENCY = 1000.0
+MIN_SIGNAL_RATE = 0.02
+MAX_SIGNAL_RATE = 0.95
+EMA = 0.999
+
+
+@keras.saving.register_keras_serializable(package="keras_io")  # for clone_model here
+def sinusoidal_embedding(x):
+    import math
+
+    import tensorflow as tf
+
+    embedding_min_frequency = 1.0
+    frequencies = tf.exp(
+        tf.linspace(
+            tf.math.log(embedding_min_frequency),
+            tf.math.log(EMBEDDING_MAX_FREQUENCY),
+            EMBEDDING_DIMS // 2,
+        )
+    )
+    angular_speeds = 2.0 * math.pi * frequencies
+    embeddings = tf.concat([tf.sin(angular_speeds * x), tf.cos(angular_speeds * x)], axis=3)
+    return embeddings
+
+
+def ResidualBlock(width):
+    def apply(x):
+        input_width = x.shape[3]
+        if input_width == width:
+            residual = x
+        else:
+            residual = layers.Conv2D(width, kernel_size=1)(x)
+        x = layers.BatchNormalization(center=False, scale=False)(x)
+        x = layers.Conv2D(width, kernel_size=3, padding="same", activation=keras.activations.swish)(
+            x
+        )
+        x = layers.Conv2D(width, kernel_size=3, padding="same")(x)
+        x = layers.Add()([x, residual])
+        return x
+
+    return apply
+
+
+def DownBlock(width, block_depth):
+    def apply(x):
+        x, skips = x
+        for _ in range(block_depth):
+            x = ResidualBlock(width)(x)
+            skips.append(x)
+        x = layers.AveragePooling2D(pool_size=2)(x)
+        return x
+
+    return apply
+
+
+def UpBlock(width, block_depth):
+    def apply(x):
+        x, skips = x
+        x = layers.UpSampling2D(size=2, interpolation="bilinear")(x)
+        for _ in range(block_depth):
+            x = layers.Concatenate()([x, skips.pop()])
+            x = ResidualBlock(width)(x)
+        return x
+
+    return apply
+
+
+def get_network(image_size, widths, block_depth):
+    noisy_images = keras.Input(shape=(image_size, image_size, 1))
+    noise_variances = keras.Input(shape=(1, 1, 1))
+
+    e = layers.Lambda(sinusoidal_embedding)(noise_variances)
+    e = layers.UpSampling2D(size=image_size, interpolation="nearest")(e)
+
+    x = layers.Conv2D(widths[0], kernel_size=1)(noisy_images)
+    x = layers.Concatenate()([x, e])
+
+    skips = []
+    for width in widths[:-1]:
+        x = DownBlock(width, block_depth)([x, skips])
+
+    for _ in range(block_depth):
+        x = ResidualBlock(widths[-1])(x)
+
+    for width in reversed(widths[:-1]):
+        x = UpBlock(width, block_depth)([x, skips])
+
+    x = layers.Conv2D(1, kernel_size=1, kernel_initializer="zeros")(x)
+
+    return keras.Model([noisy_images, noise_variances], x, name="residual_unet")
+
+
+class DiffusionModel(keras.Model):
+    """keras-io's `examples/generative/ddim.py` model (TensorFlow), less its
+    KID metric (an ImageNet InceptionV3): a `Normalization` and the
+    diffusion schedule in its `train_step`, an EMA copy of the network
+    updated by `assign`. `ema_cast=True` is the line the guide gives for
+    an EMA network kept in float32 beside half weights (O3)."""
+
+    def __init__(self, image_size, widths, block_depth, ema_cast=False):
+        super().__init__()
+
+        self.normalizer = layers.Normalization()
+        self.network = get_network(image_size, widths, block_depth)
+        self.ema_network = keras.models.clone_model(self.network)
+        self.ema_cast = ema_cast
+
+    def compile(self, **kwargs):
+        super().compile(**kwargs)
+
+        self.noise_loss_tracker = keras.metrics.Mean(name="n_loss")
+        self.image_loss_tracker = keras.metrics.Mean(name="i_loss")
+
+    @property
+    def metrics(self):
+        return [self.noise_loss_tracker, self.image_loss_tracker]
+
+    def diffusion_schedule(self, diffusion_times):
+        import tensorflow as tf
+
+        start_angle = tf.acos(MAX_SIGNAL_RATE)
+        end_angle = tf.acos(MIN_SIGNAL_RATE)
+        diffusion_angles = start_angle + diffusion_times * (end_angle - start_angle)
+        signal_rates = tf.cos(diffusion_angles)
+        noise_rates = tf.sin(diffusion_angles)
+        return noise_rates, signal_rates
+
+    def denoise(self, noisy_images, noise_rates, signal_rates, training):
+        if training:
+            network = self.network
+        else:
+            network = self.ema_network
+        pred_noises = network([noisy_images, noise_rates**2], training=training)
+        pred_images = (noisy_images - noise_rates * pred_noises) / signal_rates
+        return pred_noises, pred_images
+
+    def train_step(self, images):
+        import tensorflow as tf
+
+        images = self.normalizer(images, training=True)
+        noises = tf.random.normal(shape=(DDIM_BATCH, DDIM_IMAGE_SIZE, DDIM_IMAGE_SIZE, 1))
+        diffusion_times = tf.random.uniform(shape=(DDIM_BATCH, 1, 1, 1), minval=0.0, maxval=1.0)
+        noise_rates, signal_rates = self.diffusion_schedule(diffusion_times)
+        noisy_images = signal_rates * images + noise_rates * noises
+
+        with tf.GradientTape() as tape:
+            pred_noises, pred_images = self.denoise(
+                noisy_images, noise_rates, signal_rates, training=True
+            )
+            noise_loss = self.loss(noises, pred_noises)  # used for training
+            image_loss = self.loss(images, pred_images)  # only used as metric
+
+        gradients = tape.gradient(noise_loss, self.network.trainable_weights)
+        self.optimizer.apply_gradients(zip(gradients, self.network.trainable_weights))
+
+        self.noise_loss_tracker.update_state(noise_loss)
+        self.image_loss_tracker.update_state(image_loss)
+
+        for weight, ema_weight in zip(self.network.weights, self.ema_network.weights):
+            if self.ema_cast:  # the guide's line for a float32 EMA beside half weights
+                weight = ops.cast(weight, ema_weight.dtype)
+            ema_weight.assign(EMA * ema_weight + (1 - EMA) * weight)
+
+        return {m.name: m.result() for m in self.metrics}
+
+
+def ddim(ema_cast=False):
+    """A tiny DDIM (widths 8, 16; one block deep) with its normalizer
+    adapted to the digits, seeded; and its training images."""
+    keras.utils.set_random_seed(6)
+    x, _ = digits(DDIM_BATCH * 4)
+    model = DiffusionModel(DDIM_IMAGE_SIZE, [8, 16], 1, ema_cast=ema_cast)
+    model.normalizer.adapt(x)
+    return model, x
+
+
+def compile_ddim(model, **kwargs):
+    model.compile(
+        optimizer=keras.optimizers.AdamW(learning_rate=1e-3, weight_decay=1e-4),
+        loss=keras.losses.mean_absolute_error,
+        **kwargs,
+    )

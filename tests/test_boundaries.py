@@ -61,3 +61,91 @@ def test_boundary_rule_gives_the_caller_one_dtype():
     assert keras.backend.standardize_dtype(out.dtype) == "float16"
     rows = {r["layer"]: r["rule"] for r in keras_mp.precision_summary(model).rows}
     assert any("returns float16 to block" in rule for rule in rows.values())
+
+
+# -- what a user's train_step receives -------------------------------------------
+
+
+def _dtype(x):
+    return keras.backend.standardize_dtype(x.dtype)
+
+
+@pytest.mark.parametrize(
+    "level, dtype",
+    [("O2", "float16"), ("O2", "bfloat16"), ("O3", "float16"), ("O3", "bfloat16")],
+)
+def test_what_a_models_own_code_calls_returns_float32_in_both_half_dtypes(level, dtype):
+    """One rule for float16 and bfloat16: a layer or model that a subclassed
+    model holds returns float32 when the model's own code (its
+    `train_step`, `compute_loss`) calls it, and the dtype of the model's
+    `call` inside it. Before, DDIM's normalizer returned bfloat16 to its
+    `train_step` (and float32 in float16), a half Dense its half dtype."""
+
+    class Holder(keras.Model):
+        def __init__(self, **kwargs):
+            super().__init__(**kwargs)
+            self.normalizer = keras.layers.Normalization()
+            self.dense = keras.layers.Dense(4)
+            self.inner = keras.Sequential([keras.layers.Dense(4), keras.layers.Dense(3)])
+            self.seen = {}
+
+        def call(self, x):
+            normalized = self.normalizer(x)
+            hidden = self.dense(normalized)
+            self.seen = {"normalizer": _dtype(normalized), "dense": _dtype(hidden)}
+            return self.inner(hidden)
+
+    model = Holder()
+    x = np.random.default_rng(0).normal(size=(4, 3)).astype("float32")
+    model.normalizer.adapt(x)
+    model(x)
+    keras_mp.apply_amp(model, level, dtype)
+    assert model.dense.compute_dtype == dtype
+    assert _dtype(model(x)) == "float32"
+    # Inside `call`: its own dtype (at O2 in float16 a model of the user's
+    # runs its own arithmetic in float32, its layers in half).
+    inside = "float32" if (level, dtype) == ("O2", "float16") else dtype
+    assert model.seen == {"normalizer": inside, "dense": inside}
+    for held in (model.normalizer, model.dense, model.inner):  # outside it
+        assert _dtype(held(x if held is not model.inner else np.ones((4, 4), "float32"))) == (
+            "float32"
+        ), held.name
+
+
+@pytest.mark.skipif(keras.backend.backend() != "tensorflow", reason="keras-io's DDIM: TensorFlow")
+@pytest.mark.parametrize(
+    "level, dtype", [("O2", "float16"), ("O2", "bfloat16"), ("O3", "bfloat16")]
+)
+def test_ddim_trains_as_written_in_both_half_dtypes(level, dtype):
+    """keras-io's DDIM calls `self.normalizer(images)` and its network
+    (whose sinusoidal-embedding `Lambda` mixes its input with a float32
+    `tf.linspace`) from `train_step`. Before, at O2/O3 in bfloat16 the
+    normalizer gave bfloat16 to `signal_rates * images` ("Input 'y' of
+    'Mul' Op has type bfloat16 that does not match type float32"), and at
+    O2 in float16 the Lambda failed the same way. Now the normalizer returns
+    float32 to the step, the Lambda computes in float32 (named once), and
+    the losses follow the O0 float32 run's."""
+    import warnings
+
+    from tests import keras_io
+
+    def run(**amp):
+        model, x = keras_io.ddim()
+        keras_io.compile_ddim(model, **amp)
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            history = model.fit(x, epochs=3, batch_size=keras_io.DDIM_BATCH, verbose=0)
+        return model, history.history["n_loss"], [str(w.message) for w in caught]
+
+    _, reference, _ = run()
+    model, losses, told = run(amp_level=level, amp_dtype=dtype)
+    (embedding,) = [
+        layer for layer in model.network.layers if isinstance(layer, keras.layers.Lambda)
+    ]
+    assert any(f"layer {embedding.name!r} (Lambda) cannot compute in {dtype}" in t for t in told)
+    assert f"deny=[{embedding.name!r}]" in " ".join(told)
+    # The network's Lambda (its EMA clone's, of the same name, never ran).
+    rows = [r for r in keras_mp.precision_summary(model).rows if r["class"] == "Lambda"]
+    assert [r["compute_dtype"] for r in rows] == ["float32", dtype], rows
+    assert f"mixes {dtype} with float32 in its own call: float32" in rows[0]["rule"]
+    np.testing.assert_allclose(losses, reference, rtol=0.03)

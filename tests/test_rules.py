@@ -40,10 +40,14 @@ class Net(keras.Model):
         return self.dense(x)
 
 
-def _decide(layer, level, half="float16", parent=None, output=False, inside=False, **amp):
+def _decide(
+    layer, level, half="float16", parent=None, output=False, inside=False, denied=False, **amp
+):
     settings_ = amp_settings.for_layers(level, half, **amp)
     model = keras.Sequential([L.Dense(1)])
-    place = rules.Place(settings_, model, parent, output=output, inside_allowed=inside)
+    place = rules.Place(
+        settings_, model, parent, output=output, inside_allowed=inside, inside_denied=denied
+    )
     return rules.decide(layer, place)
 
 
@@ -59,6 +63,13 @@ ROWS = [
     ("quantized (int8_from_float32): kept", _quantized, {}, "O2", None),
     ("int64 outputs: kept", lambda: L.Hashing(8), {}, "O2", None),
     ("O2: model, float32 inputs and outputs", Net, {"output": True}, "O2", "float32"),
+    (
+        "O3: deny=, float32",
+        lambda: keras.Sequential([L.Dense(2)], name="ema_network"),
+        {"deny": ["ema_network"]},
+        "O3",
+        "float32",
+    ),
     ("O2: container", lambda: keras.Sequential([L.Dense(2)]), {}, "O2", "mixed_float16"),
     ("O3: container", lambda: keras.Sequential([L.Dense(2)]), {}, "O3", "float16"),
     ("model output: float32", lambda: L.Dense(2), {"output": True}, "O3", "float32"),
@@ -126,6 +137,12 @@ def test_every_row_of_the_table_is_tested_here_or_in_the_zoo():
     in_the_zoo = ("masks with -1e9", "eps 1e-12", "rsqrt", "attention on JAX")
     for rule in rules.RULES:
         assert id(rule) in decided or any(z in rule.reason for z in in_the_zoo), rule.reason
+
+
+def test_everything_inside_a_nested_model_named_in_deny_is_float32():
+    """`deny=[model.ema_network]`: the network and every layer in it."""
+    assert _decide(L.Dense(2), "O3", denied=True) == ("float32", "O3: deny=, float32")
+    assert _decide(L.BatchNormalization(), "O2", denied=True)[0] == "float32"
 
 
 def test_allow_overrides_the_float32_rows_it_names():

@@ -172,14 +172,14 @@ def set_boundaries(model, outputs=None, entry_dtype=None):
             continue
         inner_dtypes[id(layer)] = None if layer_tree.is_graph(layer) else layer.compute_dtype
         caller_dtype = None if parent is None else inner_dtypes[id(parent)]
-        # A model held by the (subclassed) model: its own `train_step` or
-        # `compute_loss` calls it too, and gets float32, as from the model.
-        held = (
-            parent is model and layer_tree.is_subclassed(model) and layer_tree.is_container(layer)
-        )
+        # A layer or model held by the (subclassed) model: its own
+        # `train_step` or `compute_loss` calls it too (a GAN's generator,
+        # DDIM's normalizer), and gets float32, as from the model, whatever
+        # the half dtype.
+        held = parent is model and layer_tree.is_subclassed(model)
         object.__setattr__(layer, _OUTSIDE_DTYPE_ATTRIBUTE, "float32" if held else None)
         if caller_dtype is not None and (
-            layer.compute_dtype != caller_dtype or layer_tree.is_container(layer)
+            layer.compute_dtype != caller_dtype or layer_tree.is_container(layer) or held
         ):
             set_boundary_casts(layer, output_dtype=caller_dtype)
             if layer.compute_dtype != caller_dtype:

@@ -181,12 +181,20 @@ def note_no_layer_fails_alone(error):
         )
 
 
+def _deny_entry(layer):
+    """What `deny=[...]` takes for it: its class, or a `Lambda`'s name (the
+    class would deny every Lambda)."""
+    if isinstance(layer, keras.layers.Lambda):
+        return repr(layer.name)
+    return type(layer).__name__
+
+
 def _fall_back(layer, half, error):
     reason = f"mixes {half} with float32 in its own call: float32"
     object.__setattr__(layer, FELL_BACK, reason)
-    name = type(layer).__name__
+    name = _deny_entry(layer)
     warnings.warn(
-        f"keras_mp: layer {layer.name!r} ({name}) cannot compute in {half}: its "
+        f"keras_mp: layer {layer.name!r} ({type(layer).__name__}) cannot compute in {half}: its "
         f"own call mixes {half} with float32 ({first_line(error)}). It computes "
         f"in float32 from now on (its inputs and outputs cast). To say so "
         f"yourself: deny=[{name}] in apply_amp (amp_deny=[{name}] in compile).",
@@ -195,9 +203,9 @@ def _fall_back(layer, half, error):
 
 
 def _named(layer, half, error):
-    name = type(layer).__name__
+    name = _deny_entry(layer)
     return TypeError(
-        f"keras_mp: layer {layer.name!r} ({name}) failed in {half}, and in "
+        f"keras_mp: layer {layer.name!r} ({type(layer).__name__}) failed in {half}, and in "
         f"float32 too: {first_line(error)}. If it must compute in float32, "
         f"keep it there with deny=[{name}] in apply_amp (amp_deny=[{name}] "
         f"in compile)."

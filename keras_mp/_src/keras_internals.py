@@ -85,6 +85,14 @@ def output_operations(model):
     ]
 
 
+def attributes(layer):
+    """A layer's attributes by name, its sublayers included (on PyTorch a
+    layer is a `torch.nn.Module`, which keeps its sublayers in `_modules`)."""
+    found = dict(getattr(layer, "_modules", None) or {})
+    found.update(vars(layer))
+    return found
+
+
 def own_trainable_variables(layer):
     """The trainable variables `layer` created itself."""
     return list(layer._trainable_variables)

@@ -155,6 +155,12 @@ def from_aware_package(layer):
     return type(layer).__module__.split(".", 1)[0] in MIXED_PRECISION_AWARE_PACKAGES
 
 
+def runs_users_code(layer):
+    """Its `call` is the user's code: a class defined outside Keras and
+    KerasHub, or a `Lambda` (its function is the user's)."""
+    return not from_aware_package(layer) or isinstance(layer, keras.layers.Lambda)
+
+
 def quantized(layer):
     """Its kernel is int8 or float8: a float policy would change what it computes."""
     return layer.dtype_policy.quantization_mode is not None

@@ -156,6 +156,9 @@ class MasterWeights:
         `optimizer` a GAN's `compile` leaves unused) holds zeros, which
         would otherwise overwrite the weights at the end of `fit`.
         """
+        # Only the variables this optimizer trains: Keras's `fit` passes the
+        # model's, which may hold a network no optimizer trains (an EMA copy).
+        var_list = [v for v in var_list if _known(index_of, v)]
         written = self._pairs(var_list, index_of)
         targets = list(var_list)
         for k, variable, copy in written:
@@ -209,3 +212,11 @@ def reconciled(copy, value):
     return ops.where(
         ops.equal(ops.cast(copy, value.dtype), value), copy, ops.cast(value, "float32")
     )
+
+
+def _known(index_of, variable):
+    try:
+        index_of(variable)
+    except KeyError:
+        return False
+    return True

@@ -14,11 +14,11 @@ from keras_mp._src import backends
 from keras_mp._src import boundaries
 from keras_mp._src import fallback
 from keras_mp._src import keras_internals
+from keras_mp._src import layer_kinds
 from keras_mp._src import layer_tree
 from keras_mp._src import rules
 from keras_mp._src.layer_kinds import ALLOW_LIST
 from keras_mp._src.layer_kinds import EXACT_PREPROCESSING
-from keras_mp._src.layer_kinds import from_aware_package
 from keras_mp._src.layer_kinds import matches
 from keras_mp._src.loadable_config import keep_config_loadable
 
@@ -130,6 +130,7 @@ def apply(model, amp):
         entry_dtype = "float32"  # a subclassed model's own `call`, as its layers'
     decisions = []
     inside_allowed = set()  # ids of layers inside an allow-listed one (O1)
+    inside_denied = set()  # ids of layers inside a nested model named in `deny=`
     allow = ALLOW_LIST + amp.allow
     for layer, parent in layer_tree.tree(model):
         if parent is not None and (
@@ -137,12 +138,18 @@ def apply(model, amp):
             or (not layer_tree.is_container(parent) and matches(parent, allow))
         ):
             inside_allowed.add(id(layer))
+        if parent is not None and (
+            id(parent) in inside_denied
+            or (layer_tree.is_container(parent) and matches(parent, amp.deny))
+        ):
+            inside_denied.add(id(layer))
         place = rules.Place(
             amp,
             model,
             parent,
             output=any(layer is o for o in outputs),
             inside_allowed=id(layer) in inside_allowed,
+            inside_denied=id(layer) in inside_denied,
         )
         decisions.append((layer, rules.decide(layer, place)))
     set_policies(model, decisions)
@@ -235,8 +242,8 @@ def _set_policy(layer, policy_name, rule):
     policy = keras.dtype_policies.get(policy_name)
     previous = layer.dtype_policy.variable_dtype
     layer.dtype_policy = policy
-    if not layer_tree.is_container(layer) and not from_aware_package(layer):
-        fallback.watch(layer)  # your own layer: float32 if its call cannot run in half
+    if not layer_tree.is_container(layer) and layer_kinds.runs_users_code(layer):
+        fallback.watch(layer)  # your code: float32 if its call cannot run in half
     return layer.built and _convert_own_variables(layer, previous, policy.variable_dtype)
 
 

@@ -61,6 +61,7 @@ class Place:
         parent: the layer that calls this one (None for the model).
         output: whether its outputs are the model's outputs.
         inside_allowed: whether it sits inside an allow-listed layer (O1).
+        inside_denied: whether it sits inside a nested model named in `deny=`.
     """
 
     amp: object
@@ -68,6 +69,7 @@ class Place:
     parent: object = None
     output: bool = False
     inside_allowed: bool = False
+    inside_denied: bool = False
 
 
 # -- conditions: (layer, place) -> bool -----------------------------------------
@@ -115,7 +117,8 @@ def not_denied(layer, place):
 
 
 def user_denied(layer, place):
-    return matches(layer, place.amp.deny)
+    """Named in `deny=`, or inside a nested model that is (all of it float32)."""
+    return matches(layer, place.amp.deny) or place.inside_denied
 
 
 def not_user_allowed(layer, place):
@@ -214,6 +217,9 @@ KEPT = (
 RULES = KEPT + (
     # The model's structure.
     Rule((is_model_io,), FLOAT32, "{level}: model, float32 inputs and outputs"),
+    # A nested model named in `deny=` is float32 through and through (an
+    # EMA copy of a network that its `train_step` assigns to).
+    Rule((is_container, user_denied), FLOAT32, "{level}: deny=, float32"),
     Rule((is_container,), CONTAINER, "{level}: container"),
     Rule((is_output,), FLOAT32, "model output: float32"),
     # Exact at every level.

@@ -30,6 +30,7 @@ import inspect
 import keras
 from keras import ops
 
+from keras_mp._src import assigned_half
 from keras_mp._src import backends
 
 _ORIGINAL = "_keras_mp_original_train_step"
@@ -87,6 +88,7 @@ def guard_train_step(model, guard=True):
             model.train_function = None
         return
     guard = guard and any(o.config.checks_finite for _, o in optimizers)
+    assigned_half.watch(model)
     if backends.current.STATELESS:
         train_step = _stateless_train_step(original, model, optimizers, guard)
     else:
@@ -221,7 +223,7 @@ def _stateful_train_step(original, model, optimizers, guard):
             state = [(v, ops.copy(v.value)) for v in model.non_trainable_variables]
             metrics = [(v, ops.copy(v.value)) for v in model.metrics_variables]
             skipped_before = [ops.copy(o.skipped_steps.value) for _, o in optimizers]
-        with _StepFlags(optimizers) as flags:
+        with _StepFlags(optimizers) as flags, assigned_half.Noting(model, optimizers):
             try:
                 logs = original(data)
             except Exception as error:
