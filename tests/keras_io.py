@@ -702,3 +702,77 @@ def compile_ddim(model, **kwargs):
         loss=keras.losses.mean_absolute_error,
         **kwargs,
     )
+
+
+# -- neural style transfer: a feature extractor, every layer an output -------------
+
+NST_SIZE = 16
+STYLE_LAYER_NAMES = ["block1_conv1", "block2_conv1", "block3_conv1"]
+CONTENT_LAYER_NAME = "block3_conv2"
+
+
+def vgg_like():
+    """VGG19's layer names and shape (conv blocks, max pooling), 8 filters a
+    convolution, random weights: keras-io's `vgg19.VGG19(include_top=False)`
+    without its ImageNet download."""
+    keras.utils.set_random_seed(7)
+    stack = [keras.Input((NST_SIZE, NST_SIZE, 3))]
+    for block, convs in ((1, 2), (2, 2), (3, 2)):
+        for i in range(1, convs + 1):
+            stack.append(
+                layers.Conv2D(8, 3, padding="same", activation="relu", name=f"block{block}_conv{i}")
+            )
+        stack.append(layers.MaxPooling2D(name=f"block{block}_pool"))
+    return keras.Sequential(stack, name="vgg19")
+
+
+def feature_extractor():
+    model = vgg_like()
+    outputs_dict = dict([(layer.name, layer.output) for layer in model.layers])
+    return keras.Model(inputs=model.inputs, outputs=outputs_dict)
+
+
+def style_transfer_loss(feature_extractor, combination_image, base_image, style_reference_image):
+    """keras-io's `compute_loss` (content, style and total variation)."""
+    content_weight, style_weight, total_variation_weight = 2.5e-8, 1e-6, 1e-6
+    rows = cols = NST_SIZE
+
+    def gram_matrix(x):
+        x = ops.transpose(x, (2, 0, 1))
+        features = ops.reshape(x, (ops.shape(x)[0], -1))
+        return ops.matmul(features, ops.transpose(features))
+
+    def style_loss(style, combination):
+        S = gram_matrix(style)
+        C = gram_matrix(combination)
+        channels = 3
+        size = rows * cols
+        return ops.sum(ops.square(S - C)) / (4.0 * (channels**2) * (size**2))
+
+    def content_loss(base, combination):
+        return ops.sum(ops.square(combination - base))
+
+    def total_variation_loss(x):
+        a = ops.square(x[:, : rows - 1, : cols - 1, :] - x[:, 1:, : cols - 1, :])
+        b = ops.square(x[:, : rows - 1, : cols - 1, :] - x[:, : rows - 1, 1:, :])
+        return ops.sum(ops.power(a + b, 1.25))
+
+    input_tensor = ops.concatenate([base_image, style_reference_image, combination_image], axis=0)
+    features = feature_extractor(input_tensor)
+    loss = ops.zeros(shape=())
+    layer_features = features[CONTENT_LAYER_NAME]
+    loss = loss + content_weight * content_loss(layer_features[0], layer_features[2])
+    for layer_name in STYLE_LAYER_NAMES:
+        layer_features = features[layer_name]
+        sl = style_loss(layer_features[1], layer_features[2])
+        loss += (style_weight / len(STYLE_LAYER_NAMES)) * sl
+    loss += total_variation_weight * total_variation_loss(combination_image)
+    return loss
+
+
+def style_transfer_images():
+    """Two 16x16 "photos" (digits, coloured), as `preprocess_input` leaves them."""
+    x, _ = digits(2)
+    rgb = np.repeat(np.kron(x[..., 0], np.ones((2, 2)))[..., None], 3, axis=-1)
+    images = (rgb * 255.0 - np.array([103.939, 116.779, 123.68])).astype("float32")
+    return images[:1], images[1:2]

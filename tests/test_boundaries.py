@@ -149,3 +149,81 @@ def test_ddim_trains_as_written_in_both_half_dtypes(level, dtype):
     assert [r["compute_dtype"] for r in rows] == ["float32", dtype], rows
     assert f"mixes {dtype} with float32 in its own call: float32" in rows[0]["rule"]
     np.testing.assert_allclose(losses, reference, rtol=0.03)
+
+
+# -- feature extractors: every layer an output ---------------------------------------
+
+
+@pytest.mark.parametrize("level, dtype", [("O1", "float16"), ("O2", "float16"), ("O3", "bfloat16")])
+def test_a_feature_extractor_computes_in_half_and_returns_float32(level, dtype):
+    """keras-io's neural style transfer: `keras.Model(inputs, outputs_dict)`
+    with every layer of VGG19 an output. Before, "model output: float32"
+    made every layer float32: nothing ran in half. Now an output that other
+    layers take in computes as the level says (precision_summary shows the
+    convolutions in half) and leaves the model in float32; only the last
+    layer keeps the outputs' float32 rule. The features follow O0's."""
+    from tests import keras_io
+
+    reference = keras_io.feature_extractor()
+    extractor = keras_io.feature_extractor()
+    keras_mp.apply_amp(extractor, level, dtype)
+    rows = {row["layer"].split("/")[-1]: row for row in keras_mp.precision_summary(extractor).rows}
+    for name in ("block1_conv1", "block2_conv1", "block3_conv2"):
+        assert rows[name]["compute_dtype"] == dtype, rows[name]
+    assert rows["block3_pool"]["compute_dtype"] == "float32"
+    assert rows["block3_pool"]["rule"] == "model output: float32"
+    base, style = keras_io.style_transfer_images()
+    want, got = reference(base), extractor(base)
+    for name, feature in got.items():
+        assert _dtype(feature) == "float32", name
+        scale = np.abs(keras.ops.convert_to_numpy(want[name])).max() + 1e-6
+        np.testing.assert_allclose(
+            keras.ops.convert_to_numpy(feature) / scale,
+            keras.ops.convert_to_numpy(want[name]) / scale,
+            atol=3e-2 if dtype == "bfloat16" else 5e-3,
+            err_msg=name,
+        )
+
+
+@pytest.mark.skipif(keras.backend.backend() != "tensorflow", reason="keras-io's loop: TensorFlow")
+@pytest.mark.parametrize("level, dtype", [("O2", "float16"), ("O3", "bfloat16")])
+def test_neural_style_transfer_runs_its_loop_on_half_features(level, dtype):
+    """keras-io's loop as written (`tf.function` around a GradientTape, SGD
+    on the image) over the half feature extractor: its loss follows the
+    float32 extractor's."""
+    import tensorflow as tf
+
+    from tests import keras_io
+
+    def run(level):
+        extractor = keras_io.feature_extractor()
+        if level != "O0":
+            keras_mp.apply_amp(extractor, level, dtype)
+        base, style = keras_io.style_transfer_images()
+
+        @tf.function
+        def compute_loss_and_grads(combination_image, base_image, style_reference_image):
+            with tf.GradientTape() as tape:
+                loss = keras_io.style_transfer_loss(
+                    extractor, combination_image, base_image, style_reference_image
+                )
+            grads = tape.gradient(loss, combination_image)
+            return loss, grads
+
+        optimizer = keras.optimizers.SGD(
+            keras.optimizers.schedules.ExponentialDecay(
+                initial_learning_rate=100.0, decay_steps=100, decay_rate=0.96
+            )
+        )
+        combination_image = tf.Variable(base)
+        losses = []
+        for _ in range(10):
+            loss, grads = compute_loss_and_grads(combination_image, base, style)
+            optimizer.apply_gradients([(grads, combination_image)])
+            losses.append(float(loss))
+        return losses
+
+    reference = run("O0")
+    losses = run(level)
+    assert losses[-1] < losses[0]
+    np.testing.assert_allclose(losses, reference, rtol=0.05)

@@ -164,6 +164,13 @@ def set_boundaries(model, outputs=None, entry_dtype=None):
         if outputs is None and layer is model:
             inner_dtypes[id(layer)] = None if layer_tree.is_graph(layer) else layer.compute_dtype
             continue
+        if layer is model and layer_tree.is_graph(model):
+            # A feature extractor's outputs that its layers also take in
+            # leave in float32, cast here; its layers compute as the level says.
+            inner_dtypes[id(layer)] = None
+            extractor = layer_tree.intermediate_outputs(model)
+            set_boundary_casts(layer, output_dtype="float32" if extractor else None)
+            continue
         if layer_tree.is_subclassed(layer) and (
             layer is model or any(layer is o for o in outputs or ())
         ):

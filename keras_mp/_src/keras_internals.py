@@ -85,6 +85,17 @@ def output_operations(model):
     ]
 
 
+def consumed_operations(model):
+    """Ids of a functional model's operations whose outputs another of its
+    operations takes in (an intermediate output of a feature extractor)."""
+    consumed = set()
+    for nodes in (getattr(model, "_nodes_by_depth", None) or {}).values():
+        for node in nodes:
+            for parent in node.parent_nodes:
+                consumed.add(id(parent.operation))
+    return consumed
+
+
 def attributes(layer):
     """A layer's attributes by name, its sublayers included (on PyTorch a
     layer is a `torch.nn.Module`, which keeps its sublayers in `_modules`)."""

@@ -51,8 +51,19 @@ def layers_in_order(model):
     return [layer for layer, _ in tree(model)]
 
 
+def intermediate_outputs(model):
+    """Whether a functional model returns an output other layers of it take
+    in (a feature extractor): its outputs are then cast to float32 by the
+    model rather than by the layers that make them."""
+    if not isinstance(model, keras.Model) or isinstance(model, keras.Sequential):
+        return False
+    consumed = keras_internals.consumed_operations(model)
+    return any(id(op) in consumed for op in keras_internals.output_operations(model))
+
+
 def output_layers(model):
-    """Layers whose outputs are the model's outputs.
+    """Layers whose outputs are the model's outputs (and no other layer's
+    inputs).
 
     Known for Sequential and functional models (recursively, when an output
     comes from a nested model). A subclassed model's outputs are whatever its
@@ -77,9 +88,13 @@ def output_layers(model):
         operations = keras_internals.output_operations(model)
     else:
         return ()
+    # An output that other layers of the model take in (a feature
+    # extractor's, every layer an output) computes as its level says; the
+    # model casts it to float32 on the way out (`boundaries.py`).
+    consumed = keras_internals.consumed_operations(model)
     layers = []
     for operation in operations:
-        if operation is model:
+        if operation is model or id(operation) in consumed:
             continue
         if isinstance(operation, keras.Model):
             layers.extend(output_layers(operation))
