@@ -3,6 +3,7 @@
 
 import keras
 import numpy as np
+import pytest
 
 import keras_mp
 from tests.saving import block_at_o3
@@ -48,3 +49,70 @@ def test_only_a_block_of_your_own_in_half_gives_no_dtype_in_its_config():
     assert keras.dtype_policies.get(dense.get_config()["dtype"]).name == "float16"
     keras_mp.to_float(block, "float32")  # back in the default policy
     assert block.get_config()["dtype"] is not None
+
+
+# -- a model its constructor builds: the graph it was built with ---------------------
+
+
+def _gemma(hidden_dim, head_dim):
+    """The issue's tiny KerasHub GemmaCausalLM (hidden_dim=32: sqrt(32) is
+    not a float16 number), or the zoo's (hidden_dim=16: sqrt(16) is)."""
+    import keras_hub
+
+    keras.utils.set_random_seed(0)
+    backbone = keras_hub.models.GemmaBackbone(
+        vocabulary_size=64,
+        num_layers=2,
+        num_query_heads=2,
+        num_key_value_heads=1,
+        hidden_dim=hidden_dim,
+        intermediate_dim=64,
+        head_dim=head_dim,
+    )
+    return keras_hub.models.GemmaCausalLM(backbone=backbone, preprocessor=None)
+
+
+def _predict(model, x):
+    return np.asarray(keras.ops.convert_to_numpy(model.predict(x, verbose=0)), "float32")
+
+
+@pytest.mark.parametrize("level, dtype", [("O2", "float16"), ("O3", "bfloat16")])
+@pytest.mark.parametrize("hidden_dim, head_dim", [(32, 16), (16, 8)], ids=["issue", "zoo"])
+def test_a_keras_hub_gemma_reloads_exactly_trained_or_not(
+    tmp_path, level, dtype, hidden_dim, head_dim
+):
+    """GemmaBackbone scales its embeddings by `ops.cast(sqrt(hidden_dim),
+    x.dtype)`, a constant of its graph in the dtype it was built in. Rebuilt
+    from a config whose dtype was the level's, the constant was float16's
+    5.65625 instead of 5.656854: `predict` of the loaded model was 4e-3
+    away (7e-3 after an epoch), weights and policies identical. Now it
+    rebuilds the graph it was built with, and a model saved before
+    training loads without Keras's "Skipping variable loading" warnings."""
+    import warnings
+
+    rng = np.random.default_rng(0)
+    x = {
+        "token_ids": rng.integers(1, 64, (4, 8)).astype("int32"),
+        "padding_mask": np.ones((4, 8), "int32"),
+    }
+    y = rng.integers(0, 64, (4, 8)).astype("int32")
+    model = _gemma(hidden_dim, head_dim)
+    model.compile(
+        optimizer="adam",
+        loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+        amp_level=level,
+        amp_dtype=dtype,
+    )
+    for trained in (False, True):
+        if trained:
+            model.fit(x, y, epochs=1, batch_size=4, verbose=0)
+        path = str(tmp_path / f"gemma_{trained}.keras")
+        model.save(path)
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            loaded = keras.models.load_model(path)
+        skipped = [str(w.message) for w in caught if "Skipping variable loading" in str(w.message)]
+        assert skipped == [], skipped
+        np.testing.assert_array_equal(_predict(loaded, x), _predict(model, x))
+        scale = keras.ops.convert_to_numpy(loaded.optimizer.loss_scale)
+        assert float(scale) == float(keras.ops.convert_to_numpy(model.optimizer.loss_scale))

@@ -33,6 +33,37 @@ def keep_for_build(optimizer, store):
     return True
 
 
+def load_unbuilt_save(optimizer, store):
+    """Loads the state of an optimizer saved before its first step into one
+    that is built: a model saved before training and loaded (`load_model`
+    builds the optimizer, as Keras's `compile_from_config` does) got Keras's
+    "Skipping variable loading for optimizer" for it, and its loss scale
+    and learning rate were not loaded. Such a save holds the variables an
+    optimizer has before it is built, which a built one holds first: the
+    wrapper's own (iterations, learning rate, loss scale and counters),
+    then, for a LossScaleOptimizer, its inner optimizer's. Returns whether
+    it did; a store that is not such a save is left to Keras (its warning).
+    """
+    if not optimizer.built or len(store.keys()) >= len(optimizer.variables):
+        return False
+    values = [np.asarray(store[str(i)]) for i in range(len(store.keys()))]
+    own = list(optimizer._variables)
+    inner = getattr(optimizer, "inner_optimizer", None)
+    if inner is not None:
+        own = own[: optimizer._state_start + 3]
+        targets = own + list(inner.variables)[: len(values) - len(own)]
+    else:
+        targets = own[: len(values)]
+    if len(targets) != len(values) or any(
+        tuple(t.shape) != v.shape for t, v in zip(targets, values)
+    ):
+        return False
+    with backends.current.outside_the_step():
+        for variable, value in zip(targets, values):
+            variable.assign(value)
+    return True
+
+
 def load_kept(optimizer, load_own_variables):
     """At the end of `optimizer`'s build: loads what `keep_for_build` kept."""
     deferred = optimizer.__dict__.pop(_DEFERRED, None)
@@ -50,6 +81,8 @@ def defer_inner_loading(inner_optimizer):
 
     def load_unless_deferred(store):
         if not inner_optimizer.built and len(store.keys()) > len(inner_optimizer.variables):
+            return
+        if load_unbuilt_save(inner_optimizer, store):
             return
         load(store)
 

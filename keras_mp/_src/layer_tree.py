@@ -53,12 +53,16 @@ def layers_in_order(model):
 
 def intermediate_outputs(model):
     """Whether a functional model returns an output other layers of it take
-    in (a feature extractor): its outputs are then cast to float32 by the
-    model rather than by the layers that make them."""
+    in (a feature extractor), itself or through a nested model it returns:
+    its outputs are then cast to float32 by the model rather than by the
+    layers that make them."""
     if not isinstance(model, keras.Model) or isinstance(model, keras.Sequential):
         return False
     consumed = keras_internals.consumed_operations(model)
-    return any(id(op) in consumed for op in keras_internals.output_operations(model))
+    operations = keras_internals.output_operations(model)
+    return any(id(op) in consumed for op in operations) or any(
+        is_graph(op) and intermediate_outputs(op) for op in operations if op is not model
+    )
 
 
 def output_layers(model):

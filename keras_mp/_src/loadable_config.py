@@ -9,10 +9,12 @@ import functools
 
 import keras
 
+from keras_mp._src import keras_internals
 from keras_mp._src import layer_tree
 from keras_mp._src.layer_kinds import from_aware_package
 
 _LOADABLE_CONFIG_ATTRIBUTE = "_keras_mp_loadable_config"
+_BUILT_UNDER_ATTRIBUTE = "_keras_mp_built_under"
 
 
 def keep_config_loadable(layer):
@@ -31,11 +33,10 @@ def keep_config_loadable(layer):
     its dtype on, and a layer whose config holds its sublayers' configs
     rebuilds them with their own: theirs are left as they are.
     """
-    if (
-        getattr(layer, _LOADABLE_CONFIG_ATTRIBUTE, False)
-        or layer_tree.is_graph(layer)
-        or from_aware_package(layer)
-    ):
+    if layer_tree.is_graph(layer):
+        _keep_the_graph_it_was_built_with(layer)
+        return
+    if getattr(layer, _LOADABLE_CONFIG_ATTRIBUTE, False) or from_aware_package(layer):
         return
     get_config = layer.get_config
 
@@ -69,3 +70,35 @@ def holds_layer_configs(value):
     if isinstance(value, (list, tuple)):
         return any(holds_layer_configs(v) for v in value)
     return False
+
+
+def _keep_the_graph_it_was_built_with(model):
+    """A functional model that its own constructor builds (KerasHub's
+    backbones and tasks) rebuilds from its config the graph it has.
+
+    Such a constructor puts raw ops in the graph in the dtype of the moment:
+    GemmaBackbone scales its embeddings by `ops.cast(ops.sqrt(hidden_dim),
+    x.dtype)`, which built in float32 is 5.656854 and rebuilt from a config
+    whose `dtype` is the level's (`mixed_float16`) is float16's 5.65625: the
+    loaded model predicted 4e-3 away from the saved one, with the same
+    weights and the same policies. Its config therefore gives the dtype it
+    was built under; the load then restores each layer's precision
+    (`restore_precision`). A plain `keras.Model(inputs, outputs)` saves its
+    ops with their dtypes, and Sequential has none: left as they are.
+    """
+    if type(model) in (keras_internals.Functional, keras.Sequential) or not model.built:
+        return
+    if _BUILT_UNDER_ATTRIBUTE in model.__dict__:
+        return
+    object.__setattr__(model, _BUILT_UNDER_ATTRIBUTE, model.dtype_policy)
+    get_config = model.get_config
+
+    @functools.wraps(get_config)
+    def get_config_built_under():
+        config = get_config()
+        if isinstance(config, dict) and "dtype" in config:
+            built_under = model.__dict__[_BUILT_UNDER_ATTRIBUTE]
+            config = {**config, "dtype": keras.dtype_policies.serialize(built_under)}
+        return config
+
+    object.__setattr__(model, "get_config", get_config_built_under)

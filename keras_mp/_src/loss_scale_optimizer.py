@@ -246,7 +246,10 @@ class LossScaleOptimizer(
     def load_own_variables(self, store):
         """Loads the saved state; before the optimizer is built, at its build
         (`deferred_loading.py`)."""
-        if not deferred_loading.keep_for_build(self, store):
+        if not (
+            deferred_loading.keep_for_build(self, store)
+            or deferred_loading.load_unbuilt_save(self, store)
+        ):
             super().load_own_variables(store)
 
     def _state_variables(self):
