@@ -776,3 +776,288 @@ def style_transfer_images():
     rgb = np.repeat(np.kron(x[..., 0], np.ones((2, 2)))[..., None], 3, axis=-1)
     images = (rgb * 255.0 - np.array([103.939, 116.779, 123.68])).astype("float32")
     return images[:1], images[1:2]
+
+
+# -- WGAN-GP: a gradient penalty, three discriminator steps per generator step -----
+
+
+def wgan_discriminator():
+    img_input = layers.Input(shape=(8, 8, 1))
+    x = layers.Conv2D(8, (3, 3), strides=(2, 2), padding="same")(img_input)
+    x = layers.LeakyReLU(0.2)(x)
+    x = layers.Conv2D(16, (3, 3), strides=(2, 2), padding="same")(x)
+    x = layers.LeakyReLU(0.2)(x)
+    x = layers.Dropout(0.3)(x)
+    x = layers.Flatten()(x)
+    x = layers.Dropout(0.2)(x)
+    x = layers.Dense(1)(x)
+    return keras.models.Model(img_input, x, name="discriminator")
+
+
+def wgan_generator():
+    noise = layers.Input(shape=(LATENT,))
+    x = layers.Dense(2 * 2 * 16, use_bias=False)(noise)
+    x = layers.BatchNormalization()(x)
+    x = layers.LeakyReLU(0.2)(x)
+    x = layers.Reshape((2, 2, 16))(x)
+    for filters, activation in ((8, layers.LeakyReLU(0.2)), (1, layers.Activation("tanh"))):
+        x = layers.UpSampling2D((2, 2))(x)
+        x = layers.Conv2D(filters, (3, 3), padding="same", use_bias=False)(x)
+        x = layers.BatchNormalization()(x)
+        x = activation(x)
+    return keras.models.Model(noise, x, name="generator")
+
+
+class WGAN(keras.Model):
+    """keras-io's `examples/generative/wgan_gp.py` WGAN, as written (TensorFlow)."""
+
+    def __init__(self, discriminator, generator, latent_dim, discriminator_extra_steps=3):
+        super().__init__()
+        self.discriminator = discriminator
+        self.generator = generator
+        self.latent_dim = latent_dim
+        self.d_steps = discriminator_extra_steps
+        self.gp_weight = 10.0
+
+    def compile(self, d_optimizer, g_optimizer, d_loss_fn, g_loss_fn):
+        super().compile()
+        self.d_optimizer = d_optimizer
+        self.g_optimizer = g_optimizer
+        self.d_loss_fn = d_loss_fn
+        self.g_loss_fn = g_loss_fn
+
+    def gradient_penalty(self, batch_size, real_images, fake_images):
+        import tensorflow as tf
+
+        alpha = tf.random.normal([batch_size, 1, 1, 1], 0.0, 1.0)
+        diff = fake_images - real_images
+        interpolated = real_images + alpha * diff
+        with tf.GradientTape() as gp_tape:
+            gp_tape.watch(interpolated)
+            pred = self.discriminator(interpolated, training=True)
+        grads = gp_tape.gradient(pred, [interpolated])[0]
+        norm = tf.sqrt(tf.reduce_sum(tf.square(grads), axis=[1, 2, 3]))
+        return tf.reduce_mean((norm - 1.0) ** 2)
+
+    def train_step(self, real_images):
+        import tensorflow as tf
+
+        if isinstance(real_images, tuple):
+            real_images = real_images[0]
+        batch_size = tf.shape(real_images)[0]
+        for _ in range(self.d_steps):
+            random_latent_vectors = tf.random.normal(shape=(batch_size, self.latent_dim))
+            with tf.GradientTape() as tape:
+                fake_images = self.generator(random_latent_vectors, training=True)
+                fake_logits = self.discriminator(fake_images, training=True)
+                real_logits = self.discriminator(real_images, training=True)
+                d_cost = self.d_loss_fn(real_img=real_logits, fake_img=fake_logits)
+                gp = self.gradient_penalty(batch_size, real_images, fake_images)
+                d_loss = d_cost + gp * self.gp_weight
+            d_gradient = tape.gradient(d_loss, self.discriminator.trainable_variables)
+            self.d_optimizer.apply_gradients(
+                zip(d_gradient, self.discriminator.trainable_variables)
+            )
+        random_latent_vectors = tf.random.normal(shape=(batch_size, self.latent_dim))
+        with tf.GradientTape() as tape:
+            generated_images = self.generator(random_latent_vectors, training=True)
+            gen_img_logits = self.discriminator(generated_images, training=True)
+            g_loss = self.g_loss_fn(gen_img_logits)
+        gen_gradient = tape.gradient(g_loss, self.generator.trainable_variables)
+        self.g_optimizer.apply_gradients(zip(gen_gradient, self.generator.trainable_variables))
+        return {"d_loss": d_loss, "g_loss": g_loss}
+
+
+def wgan():
+    keras.utils.set_random_seed(8)
+    return WGAN(wgan_discriminator(), wgan_generator(), LATENT)
+
+
+def compile_wgan(model):
+    def discriminator_loss(real_img, fake_img):
+        return ops.mean(fake_img) - ops.mean(real_img)
+
+    def generator_loss(fake_img):
+        return -ops.mean(fake_img)
+
+    model.compile(
+        d_optimizer=keras.optimizers.Adam(learning_rate=2e-3, beta_1=0.5, beta_2=0.9),
+        g_optimizer=keras.optimizers.Adam(learning_rate=2e-3, beta_1=0.5, beta_2=0.9),
+        g_loss_fn=generator_loss,
+        d_loss_fn=discriminator_loss,
+    )
+
+
+# -- CycleGAN: four optimizers, one persistent tape -----------------------------------
+
+
+class ReflectionPadding2D(layers.Layer):
+    """keras-io's CycleGAN padding layer (`tf.pad`, mode REFLECT)."""
+
+    def __init__(self, padding=(1, 1), **kwargs):
+        self.padding = tuple(padding)
+        super().__init__(**kwargs)
+
+    def call(self, input_tensor, mask=None):
+        import tensorflow as tf
+
+        padding_width, padding_height = self.padding
+        padding_tensor = [
+            [0, 0],
+            [padding_height, padding_height],
+            [padding_width, padding_width],
+            [0, 0],
+        ]
+        return tf.pad(input_tensor, padding_tensor, mode="REFLECT")
+
+
+def _instance_norm():
+    return layers.GroupNormalization(groups=-1)  # tfa's InstanceNormalization in Keras 3
+
+
+def cyclegan_generator(name):
+    img_input = layers.Input(shape=(8, 8, 1), name=name + "_img_input")
+    x = ReflectionPadding2D(padding=(1, 1))(img_input)
+    x = layers.Conv2D(8, (3, 3), use_bias=False)(x)
+    x = _instance_norm()(x)
+    x = layers.Activation("relu")(x)
+    x = layers.Conv2D(16, (3, 3), strides=(2, 2), padding="same", use_bias=False)(x)
+    x = _instance_norm()(x)
+    x = layers.Activation("relu")(x)
+    residual = x
+    x = ReflectionPadding2D()(x)
+    x = layers.Conv2D(16, (3, 3), use_bias=False)(x)
+    x = _instance_norm()(x)
+    x = layers.add([residual, x])
+    x = layers.Conv2DTranspose(8, (3, 3), strides=(2, 2), padding="same", use_bias=False)(x)
+    x = _instance_norm()(x)
+    x = layers.Activation("relu")(x)
+    x = ReflectionPadding2D(padding=(1, 1))(x)
+    x = layers.Conv2D(1, (3, 3), padding="valid")(x)
+    x = layers.Activation("tanh")(x)
+    return keras.models.Model(img_input, x, name=name)
+
+
+def cyclegan_discriminator(name):
+    img_input = layers.Input(shape=(8, 8, 1), name=name + "_img_input")
+    x = layers.Conv2D(8, (4, 4), strides=(2, 2), padding="same")(img_input)
+    x = layers.LeakyReLU(0.2)(x)
+    x = layers.Conv2D(16, (4, 4), strides=(2, 2), padding="same", use_bias=False)(x)
+    x = _instance_norm()(x)
+    x = layers.LeakyReLU(0.2)(x)
+    x = layers.Conv2D(1, (4, 4), strides=(1, 1), padding="same")(x)
+    return keras.models.Model(inputs=img_input, outputs=x, name=name)
+
+
+class CycleGan(keras.Model):
+    """keras-io's `examples/generative/cyclegan.py` model, as written (TensorFlow)."""
+
+    def __init__(self, generator_G, generator_F, discriminator_X, discriminator_Y):
+        super().__init__()
+        self.gen_G = generator_G
+        self.gen_F = generator_F
+        self.disc_X = discriminator_X
+        self.disc_Y = discriminator_Y
+        self.lambda_cycle = 10.0
+        self.lambda_identity = 0.5
+
+    def compile(
+        self,
+        gen_G_optimizer,
+        gen_F_optimizer,
+        disc_X_optimizer,
+        disc_Y_optimizer,
+        gen_loss_fn,
+        disc_loss_fn,
+    ):
+        super().compile()
+        self.gen_G_optimizer = gen_G_optimizer
+        self.gen_F_optimizer = gen_F_optimizer
+        self.disc_X_optimizer = disc_X_optimizer
+        self.disc_Y_optimizer = disc_Y_optimizer
+        self.generator_loss_fn = gen_loss_fn
+        self.discriminator_loss_fn = disc_loss_fn
+        self.cycle_loss_fn = keras.losses.MeanAbsoluteError()
+        self.identity_loss_fn = keras.losses.MeanAbsoluteError()
+
+    def train_step(self, batch_data):
+        import tensorflow as tf
+
+        real_x, real_y = batch_data
+        with tf.GradientTape(persistent=True) as tape:
+            fake_y = self.gen_G(real_x, training=True)
+            fake_x = self.gen_F(real_y, training=True)
+            cycled_x = self.gen_F(fake_y, training=True)
+            cycled_y = self.gen_G(fake_x, training=True)
+            same_x = self.gen_F(real_x, training=True)
+            same_y = self.gen_G(real_y, training=True)
+            disc_real_x = self.disc_X(real_x, training=True)
+            disc_fake_x = self.disc_X(fake_x, training=True)
+            disc_real_y = self.disc_Y(real_y, training=True)
+            disc_fake_y = self.disc_Y(fake_y, training=True)
+            gen_G_loss = self.generator_loss_fn(disc_fake_y)
+            gen_F_loss = self.generator_loss_fn(disc_fake_x)
+            cycle_loss_G = self.cycle_loss_fn(real_y, cycled_y) * self.lambda_cycle
+            cycle_loss_F = self.cycle_loss_fn(real_x, cycled_x) * self.lambda_cycle
+            id_loss_G = (
+                self.identity_loss_fn(real_y, same_y) * self.lambda_cycle * self.lambda_identity
+            )
+            id_loss_F = (
+                self.identity_loss_fn(real_x, same_x) * self.lambda_cycle * self.lambda_identity
+            )
+            total_loss_G = gen_G_loss + cycle_loss_G + id_loss_G
+            total_loss_F = gen_F_loss + cycle_loss_F + id_loss_F
+            disc_X_loss = self.discriminator_loss_fn(disc_real_x, disc_fake_x)
+            disc_Y_loss = self.discriminator_loss_fn(disc_real_y, disc_fake_y)
+        grads_G = tape.gradient(total_loss_G, self.gen_G.trainable_variables)
+        grads_F = tape.gradient(total_loss_F, self.gen_F.trainable_variables)
+        disc_X_grads = tape.gradient(disc_X_loss, self.disc_X.trainable_variables)
+        disc_Y_grads = tape.gradient(disc_Y_loss, self.disc_Y.trainable_variables)
+        self.gen_G_optimizer.apply_gradients(zip(grads_G, self.gen_G.trainable_variables))
+        self.gen_F_optimizer.apply_gradients(zip(grads_F, self.gen_F.trainable_variables))
+        self.disc_X_optimizer.apply_gradients(zip(disc_X_grads, self.disc_X.trainable_variables))
+        self.disc_Y_optimizer.apply_gradients(zip(disc_Y_grads, self.disc_Y.trainable_variables))
+        return {
+            "G_loss": total_loss_G,
+            "F_loss": total_loss_F,
+            "D_X_loss": disc_X_loss,
+            "D_Y_loss": disc_Y_loss,
+        }
+
+
+def cyclegan():
+    keras.utils.set_random_seed(9)
+    return CycleGan(
+        cyclegan_generator("generator_G"),
+        cyclegan_generator("generator_F"),
+        cyclegan_discriminator("discriminator_X"),
+        cyclegan_discriminator("discriminator_Y"),
+    )
+
+
+def compile_cyclegan(model):
+    adv_loss_fn = keras.losses.MeanSquaredError()
+
+    def generator_loss_fn(fake):
+        return adv_loss_fn(ops.ones_like(fake), fake)
+
+    def discriminator_loss_fn(real, fake):
+        real_loss = adv_loss_fn(ops.ones_like(real), real)
+        fake_loss = adv_loss_fn(ops.zeros_like(fake), fake)
+        return (real_loss + fake_loss) * 0.5
+
+    model.compile(
+        **{
+            f"{name}_optimizer": keras.optimizers.Adam(learning_rate=2e-3, beta_1=0.5)
+            for name in ("gen_G", "gen_F", "disc_X", "disc_Y")
+        },
+        gen_loss_fn=generator_loss_fn,
+        disc_loss_fn=discriminator_loss_fn,
+    )
+
+
+def cyclegan_data():
+    """Horses and zebras: digits and their mirror images, in [-1, 1]."""
+    x, _ = digits(64)
+    x = x * 2.0 - 1.0
+    return x, x[:, :, ::-1, :].copy()

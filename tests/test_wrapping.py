@@ -449,3 +449,85 @@ def test_find_optimizers_looks_in_layers_and_nested_models():
     new = keras.optimizers.SGD()
     held.setter(new)
     assert owner.optimizer is new
+
+
+# -- keras-io's WGAN-GP and CycleGAN: more optimizers, as written ----------------------
+
+
+def _trainable(network):
+    return [np.array(keras.ops.convert_to_numpy(w), "float32") for w in network.trainable_weights]
+
+
+def _unmoved(before, networks):
+    """The trainable weights that did not move (by position)."""
+    return [
+        (i, j)
+        for i, (old, net) in enumerate(zip(before, networks))
+        for j, (a, b) in enumerate(zip(old, _trainable(net)))
+        if np.array_equal(a, b)
+    ]
+
+
+@pytest.mark.skipif(BACKEND != "tensorflow", reason="keras-io's WGAN-GP: TensorFlow")
+@pytest.mark.parametrize("level, dtype", [("O2", "float16"), ("O3", "bfloat16")])
+def test_keras_io_wgan_gp_trains_as_written(level, dtype):
+    """Its gradient penalty (a tape inside the tape) and three
+    discriminator steps per generator step: both optimizers wrapped, both
+    networks learn, the losses follow the O0 float32 run's."""
+    x, _ = keras_io.digits(128)
+
+    def run(level):
+        model = keras_io.wgan()
+        if level != "O0":
+            keras_mp.apply_amp(model, level, dtype)
+        keras_io.compile_wgan(model)
+        networks = (model.discriminator, model.generator)
+        before = [_trainable(n) for n in networks]
+        history, _ = _fit_quietly(model, x * 2.0 - 1.0, epochs=2, batch_size=32, shuffle=False)
+        return model, before, networks, history.history
+
+    _, before_o0, networks_o0, reference = run("O0")
+    model, before, networks, logs = run(level)
+    # WGAN's critic loss is a difference of means: its last bias gets a zero
+    # gradient, at O0 too. Every other weight moves, as at O0.
+    assert _unmoved(before, networks) == _unmoved(before_o0, networks_o0) == [(0, 5)]
+    for name in ("d_optimizer", "g_optimizer"):
+        assert isinstance(getattr(model, name), keras_mp.LossScaleOptimizer), name
+        assert f"{name}_skipped_steps" in logs
+    for key in ("d_loss", "g_loss"):
+        assert np.isfinite(logs[key]).all(), key
+        np.testing.assert_allclose(logs[key], reference[key], rtol=0.2, atol=0.2, err_msg=key)
+
+
+@pytest.mark.skipif(BACKEND != "tensorflow", reason="keras-io's CycleGAN: TensorFlow")
+@pytest.mark.parametrize("level, dtype", [("O2", "float16"), ("O3", "bfloat16")])
+def test_keras_io_cyclegan_trains_its_four_networks_as_written(level, dtype):
+    """Four optimizers in one `compile` of its own, one persistent tape, a
+    padding layer of its own (`tf.pad`): each optimizer wrapped and logged,
+    each network learns, the losses follow the O0 float32 run's."""
+    horses, zebras = keras_io.cyclegan_data()
+
+    def run(level):
+        model = keras_io.cyclegan()
+        if level != "O0":
+            keras_mp.apply_amp(model, level, dtype)
+        keras_io.compile_cyclegan(model)
+        networks = (model.gen_G, model.gen_F, model.disc_X, model.disc_Y)
+        before = [_trainable(n) for n in networks]
+        import tensorflow as tf
+
+        dataset = tf.data.Dataset.zip(
+            tuple(tf.data.Dataset.from_tensor_slices(d).batch(16) for d in (horses, zebras))
+        )
+        history, _ = _fit_quietly(model, dataset, epochs=2)
+        return model, before, networks, history.history
+
+    _, _, _, reference = run("O0")
+    model, before, networks, logs = run(level)
+    for name in ("gen_G", "gen_F", "disc_X", "disc_Y"):
+        assert isinstance(getattr(model, f"{name}_optimizer"), keras_mp.LossScaleOptimizer), name
+        assert f"{name}_optimizer_loss_scale" in logs
+    assert _unmoved(before, networks) == []
+    for key in ("G_loss", "F_loss", "D_X_loss", "D_Y_loss"):
+        assert np.isfinite(logs[key]).all(), key
+        np.testing.assert_allclose(logs[key], reference[key], rtol=0.1, err_msg=key)
