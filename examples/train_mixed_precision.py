@@ -254,7 +254,10 @@ def main(args=None):
             "\nOn a CPU, half precision is mostly emulated: its step times say little. The "
             "speed-up\ncomes on a GPU with tensor cores (benchmarks/README.md)."
         )
-    return {"O0": o0_accuracy, "O2": o2_accuracy, "scales": recorder.scales}
+    # What a GPU would give this model, and why (computed here, no GPU needed).
+    report = keras_mp.speed_report(build_model(), x[:BATCH], "O2", args.dtype, gpu="H100")
+    print(f"\nSpeed report: {report.verdict}")
+    return {"O0": o0_accuracy, "O2": o2_accuracy, "scales": recorder.scales, "report": report}
 
 
 if __name__ == "__main__":

@@ -15,6 +15,9 @@ The public API, in full (implementation lives in `keras_mp._src`):
 - `analyze(model, x, y)`: the precision doctor: activations against the half
   range, gradient underflow/overflow at the current and the recommended loss
   scale, layers to keep in float32.
+- `speed_report(model, x, level=..., dtype=..., gpu=...)`: why the level
+  makes a step faster or not, and by how much at most, computed on any
+  machine (FLOPs in half, tensor-core shapes, casts, bytes, launches).
 - `export(model, path, dtype="float32")`: a SavedModel of a copy computing in
   the precision it is served in; `serving_copy(model, dtype)` is that copy.
 """
@@ -32,6 +35,7 @@ from keras_mp._src.levels import LEVELS
 from keras_mp._src.loss_scale_optimizer import LossScaleOptimizer
 from keras_mp._src.policies import apply_amp
 from keras_mp._src.policies import to_float
+from keras_mp._src.speed_report import speed_report
 from keras_mp._src.summary import precision_summary
 
 __version__ = "0.1.0"
@@ -51,5 +55,6 @@ __all__ = [
     "export",
     "precision_summary",
     "serving_copy",
+    "speed_report",
     "to_float",
 ]

@@ -49,6 +49,12 @@ set_keras_mask = _need("keras.src.backend", "set_keras_mask")
 AutocastScope = _need("keras.src.backend", "AutocastScope")
 # Keras's own messages go through it (quiet under `keras.config.disable_interactive_logging`).
 print_msg = _need("keras.src.utils.io_utils", "print_msg")
+# The speed report: a symbolic forward pass, and the convolutions' bases.
+compute_output_spec = _need("keras.src.backend", "compute_output_spec")
+BaseConv = _need("keras.src.layers.convolutional.base_conv", "BaseConv")
+BaseConvTranspose = _need("keras.src.layers.convolutional.base_conv_transpose", "BaseConvTranspose")
+BaseDepthwiseConv = _need("keras.src.layers.convolutional.base_depthwise_conv", "BaseDepthwiseConv")
+BaseSeparableConv = _need("keras.src.layers.convolutional.base_separable_conv", "BaseSeparableConv")
 no_automatic_dependency_tracking = _need(
     "keras.src.utils.tracking", "no_automatic_dependency_tracking"
 )

@@ -128,6 +128,20 @@ def apply(model, amp):
     entry_dtype = amp.inner_dtype
     if rules.own_arithmetic_in_float32(model, rules.Place(amp, model)):
         entry_dtype = "float32"  # a subclassed model's own `call`, as its layers'
+    decisions = decide_all(model, amp, outputs)
+    set_policies(model, decisions)
+    _annotate_returns(boundaries.set_boundaries(model, outputs, entry_dtype))
+    mark_amp_model(model)
+    set_layer_lists(model, amp.allow, amp.deny)
+    return model
+
+
+def decide_all(model, amp, outputs=None):
+    """`[(layer, (policy name or None, reason))]` for `model`'s tree under
+    `amp`: what `apply` sets, computed without setting it (the speed report
+    asks it of a level the model is not at)."""
+    if outputs is None:
+        outputs = layer_tree.output_layers(model)
     decisions = []
     inside_allowed = set()  # ids of layers inside an allow-listed one (O1)
     inside_denied = set()  # ids of layers inside a nested model named in `deny=`
@@ -152,11 +166,7 @@ def apply(model, amp):
             inside_denied=id(layer) in inside_denied,
         )
         decisions.append((layer, rules.decide(layer, place)))
-    set_policies(model, decisions)
-    _annotate_returns(boundaries.set_boundaries(model, outputs, entry_dtype))
-    mark_amp_model(model)
-    set_layer_lists(model, amp.allow, amp.deny)
-    return model
+    return decisions
 
 
 def _annotate_returns(returns):
