@@ -77,17 +77,16 @@ def _predict(model, x):
 
 
 @pytest.mark.parametrize("level, dtype", [("O2", "float16"), ("O3", "bfloat16")])
-@pytest.mark.parametrize("hidden_dim, head_dim", [(32, 16), (16, 8)], ids=["issue", "zoo"])
-def test_a_keras_hub_gemma_reloads_exactly_trained_or_not(
-    tmp_path, level, dtype, hidden_dim, head_dim
-):
+def test_a_keras_hub_gemma_reloads_exactly_trained_or_not(tmp_path, level, dtype):
     """GemmaBackbone scales its embeddings by `ops.cast(sqrt(hidden_dim),
     x.dtype)`, a constant of its graph in the dtype it was built in. Rebuilt
     from a config whose dtype was the level's, the constant was float16's
     5.65625 instead of 5.656854: `predict` of the loaded model was 4e-3
     away (7e-3 after an epoch), weights and policies identical. Now it
     rebuilds the graph it was built with, and a model saved before
-    training loads without Keras's "Skipping variable loading" warnings."""
+    training loads without Keras's "Skipping variable loading" warnings.
+    (The zoo's Gemma, hidden_dim=16, goes through `.keras` in
+    `tests/zoo/test_zoo.py`: sqrt(16) is a float16 number.)"""
     import warnings
 
     rng = np.random.default_rng(0)
@@ -96,7 +95,7 @@ def test_a_keras_hub_gemma_reloads_exactly_trained_or_not(
         "padding_mask": np.ones((4, 8), "int32"),
     }
     y = rng.integers(0, 64, (4, 8)).astype("int32")
-    model = _gemma(hidden_dim, head_dim)
+    model = _gemma(hidden_dim=32, head_dim=16)
     model.compile(
         optimizer="adam",
         loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),

@@ -40,6 +40,7 @@ def test_public_names():
         "export",
         "precision_summary",
         "serving_copy",
+        "speed_report",
         "to_float",
     }
     for name in keras_mp.__all__:

@@ -519,7 +519,7 @@ def test_keras_io_cyclegan_trains_its_four_networks_as_written(level, dtype):
         dataset = tf.data.Dataset.zip(
             tuple(tf.data.Dataset.from_tensor_slices(d).batch(16) for d in (horses, zebras))
         )
-        history, _ = _fit_quietly(model, dataset, epochs=2)
+        history, _ = _fit_quietly(model, dataset, epochs=1)
         return model, before, networks, history.history
 
     _, _, _, reference = run("O0")
