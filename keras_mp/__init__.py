@@ -23,20 +23,20 @@ The public API, in full (implementation lives in `keras_mp._src`):
 """
 
 from keras_mp import callbacks
-from keras_mp._src.compile import compile
-from keras_mp._src.compile import install as _install_compile_keywords
-from keras_mp._src.doctor import analyze
-from keras_mp._src.export import export
-from keras_mp._src.export import serving_copy
-from keras_mp._src.layer_kinds import ALLOW_LIST
-from keras_mp._src.layer_kinds import DENY_LIST
-from keras_mp._src.levels import HALF_DTYPES
-from keras_mp._src.levels import LEVELS
-from keras_mp._src.loss_scale_optimizer import LossScaleOptimizer
-from keras_mp._src.policies import apply_amp
-from keras_mp._src.policies import to_float
-from keras_mp._src.speed_report import speed_report
-from keras_mp._src.summary import precision_summary
+from keras_mp._src.model.compile import compile
+from keras_mp._src.model.compile import install as _install_compile_keywords
+from keras_mp._src.optimizer.loss_scale_optimizer import LossScaleOptimizer
+from keras_mp._src.precision.layer_kinds import ALLOW_LIST
+from keras_mp._src.precision.layer_kinds import DENY_LIST
+from keras_mp._src.precision.levels import HALF_DTYPES
+from keras_mp._src.precision.levels import LEVELS
+from keras_mp._src.precision.policies import apply_amp
+from keras_mp._src.precision.policies import to_float
+from keras_mp._src.tools.doctor import analyze
+from keras_mp._src.tools.export import export
+from keras_mp._src.tools.export import serving_copy
+from keras_mp._src.tools.speed_report import speed_report
+from keras_mp._src.tools.summary import precision_summary
 
 __version__ = "0.1.0"
 

@@ -1,5 +1,5 @@
 """Keras callbacks for mixed-precision training."""
 
-from keras_mp._src.callbacks import OverflowGuard
+from keras_mp._src.model.callbacks import OverflowGuard
 
 __all__ = ["OverflowGuard"]

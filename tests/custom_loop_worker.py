@@ -1,5 +1,5 @@
 """keras-io's distributed-training guides' custom loops, as README writes
-them, each in a fresh process (tests/test_skipped_state.py runs them):
+them, each in a fresh process (tests/optimizer/test_skipped_state.py runs them):
 
     KERAS_BACKEND=tensorflow python tests/custom_loop_worker.py tf_mirrored
     KERAS_BACKEND=jax python tests/custom_loop_worker.py jax_sharding

@@ -52,7 +52,7 @@ def test_no_module_is_over_400_lines():
 
 
 def test_each_module_has_a_test_file_named_after_it():
-    """`keras_mp/_src/rules.py` -> `tests/test_rules.py`; `_src/backends/jax.py`
+    """`keras_mp/_src/precision/rules.py` -> `tests/precision/test_rules.py`; `_src/backends/jax.py`
     -> `tests/backends/test_jax.py`. Package `__init__`s re-export (the
     public names are `test_loss_scale_optimizer.py::test_public_names`)."""
     missing = []
@@ -88,7 +88,7 @@ def test_backend_switches_are_in_backends():
 def test_level_names_are_compared_nowhere_but_in_the_level_table():
     """A level is resolved once (`amp_settings.py`); code asks it what it
     means (`amp.compute`, `amp.half_variables`), never which it is."""
-    assert not _lines_with(r"""(==|!=|\bin)\s*\(?\s*["']O[0-3]["']""", ["_src/levels.py"])
+    assert not _lines_with(r"""(==|!=|\bin)\s*\(?\s*["']O[0-3]["']""", ["_src/precision/levels.py"])
 
 
 def test_compiled_graph_checks_carry_the_perf_marker():
@@ -109,3 +109,52 @@ def test_compiled_graph_checks_carry_the_perf_marker():
                 if not any("mark.perf" in m for m in marks):
                     unmarked.append(f"{os.path.relpath(path, ROOT)}::{node.name}")
     assert not unmarked, unmarked
+
+
+# What each folder of `_src` may import (its `__init__.py` says why):
+# precision, optimizer and backends never import model or tools; model
+# never imports tools; tools import anything.
+FORBIDDEN_IMPORTS = {
+    "precision": ("model", "tools"),
+    "optimizer": ("model", "tools"),
+    "backends": ("model", "tools"),
+    "model": ("tools",),
+}
+
+
+def _imported_groups(text):
+    """The `_src` folders a module's text imports, at any indentation."""
+    groups = set(re.findall(r"from keras_mp\._src\.(\w+)", text))
+    groups |= set(re.findall(r"from keras_mp\._src import (\w+)", text))
+    return groups
+
+
+def test_each_folder_imports_only_what_its_docstring_allows():
+    wrong = []
+    for path, text in _modules():
+        parts = path.split(os.sep)
+        if len(parts) < 3 or parts[0] != "_src" or parts[1] not in FORBIDDEN_IMPORTS:
+            continue
+        for group in _imported_groups(text) & set(FORBIDDEN_IMPORTS[parts[1]]):
+            wrong.append(f"{path} imports {group}")
+    assert not wrong, wrong
+
+
+def test_every_module_of_src_is_in_a_folder_that_says_what_it_holds():
+    loose = []
+    for path, _ in _modules():
+        parts = path.split(os.sep)
+        if (
+            parts[0] == "_src"
+            and len(parts) == 2
+            and parts[1]
+            not in (
+                "__init__.py",
+                "keras_internals.py",  # Keras's internals: every folder's base
+            )
+        ):
+            loose.append(path)
+    assert not loose, loose
+    for folder in ("precision", "optimizer", "model", "tools", "backends"):
+        with open(os.path.join(PACKAGE, "_src", folder, "__init__.py")) as f:
+            assert f.read().strip().startswith('"""'), folder

@@ -12,8 +12,8 @@ import os
 import keras
 from keras import ops
 
-from keras_mp._src.loss_scale import LossScaleState
-from keras_mp._src.loss_scale import update
+from keras_mp._src.optimizer.loss_scale import LossScaleState
+from keras_mp._src.optimizer.loss_scale import update
 
 # This process's Keras backend.
 NAME = keras.backend.backend()

@@ -13,7 +13,7 @@ from keras import ops
 
 from keras_mp._src.backends import common
 from keras_mp._src.backends.common import *  # noqa: F401,F403 (the portable hooks)
-from keras_mp._src.loss_scale import update
+from keras_mp._src.optimizer.loss_scale import update
 
 XLA_ACROSS_REPLICAS_MESSAGE = (
     "keras_mp.LossScaleOptimizer cannot run in an XLA-compiled step "

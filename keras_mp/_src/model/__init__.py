@@ -1,0 +1,10 @@
+"""Keras's `Model`, extended: `compile(amp_level=...)` and everything it
+installs (`compile`, `model_hooks`), the optimizers a model holds
+(`wrapping`), the train step's telemetry and guards (`train_step`), the
+callbacks (`callbacks`), each layer's precision saved with the model
+(`saved_precision`), and half weights a step assigns that no optimizer
+trains (`assigned_half`).
+
+May import: `keras_internals`, `backends`, `precision`, `optimizer`.
+Never `tools` (`tests/test_style.py` checks it).
+"""

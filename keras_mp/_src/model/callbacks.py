@@ -1,0 +1,274 @@
+"""`OverflowGuard`: stop a run whose steps keep overflowing, and say why."""
+
+import numbers
+
+import keras
+import numpy as np
+
+from keras_mp._src import keras_internals
+from keras_mp._src.model.wrapping import loss_scale_optimizers
+
+TELEMETRY_KEYS = ("loss_scale", "skipped_steps")
+
+
+def telemetry_keys(label):
+    """The log keys of an optimizer's scale and skip count: `loss_scale` and
+    `skipped_steps` for the model's `optimizer`, `d_optimizer_loss_scale`
+    and `d_optimizer_skipped_steps` for a `d_optimizer` of its own."""
+    if label == "optimizer":
+        return TELEMETRY_KEYS
+    return tuple(f"{label}_{key}" for key in TELEMETRY_KEYS)
+
+
+_HINTS = (
+    "Things to try: a lower learning rate, or gradient clipping on the inner "
+    "optimizer (e.g. `clipnorm=1.0`); check the data for NaN/inf; run "
+    "`keras_mp.analyze(model, x, y)` to see which layers overflow float16 and "
+    "keep them in float32 (`amp_level='O1'`, or `deny=[...]`); or train in "
+    "bfloat16 (`amp_dtype='bfloat16'`), which has float32's range."
+)
+
+
+def _value(x):
+    return np.asarray(keras.ops.convert_to_numpy(x)).item()
+
+
+class OverflowGuard(keras.callbacks.Callback):
+    """Stops training when steps keep being skipped for non-finite gradients.
+
+    A LossScaleOptimizer skips a step whose gradients overflow and backs the
+    scale off; a few such steps are routine. A long run of them means the
+    model itself produces inf/NaN (diverged weights, bad data, a layer that
+    overflows float16) and training makes no progress while looking busy.
+    The guard stops `fit` with a message saying how many steps were skipped
+    in a row, the loss scale, and what to try, when
+
+    - `patience` steps in a row were skipped, or
+    - a step was skipped with the dynamic scale already at `min_scale` (the
+      scale is pinned: it cannot back off any further).
+
+    It reads the optimizer's `skipped_steps` and `loss_scale` from the step's
+    logs one step late: the step before the current one has finished, so
+    reading it never holds up the device. Training therefore stops one step
+    after the step that triggered it (nothing is applied by skipped steps).
+    A model that trains with several optimizers (a GAN's `d_optimizer` and
+    `g_optimizer`) has each watched on its own; the message names the one
+    that stopped it.
+
+    Args:
+        patience: int >= 1, the number of consecutive skipped steps to allow.
+        stop_at_min_scale: bool, whether a skipped step at `min_scale` stops
+            training at once.
+        verbose: 0 or 1; 1 prints the message when it stops training.
+
+    Attributes:
+        stopped_step: the step (counted from 0 in this `fit`) that triggered
+            the stop, or None.
+        message: the message, or None.
+    """
+
+    def __init__(self, patience=10, stop_at_min_scale=True, verbose=1):
+        super().__init__()
+        if not isinstance(patience, numbers.Integral) or isinstance(patience, bool) or patience < 1:
+            raise ValueError(
+                f"`patience` must be an integer >= 1 (consecutive skipped steps). "
+                f"Received: patience={patience!r}"
+            )
+        if not isinstance(stop_at_min_scale, bool):
+            raise TypeError(
+                f"`stop_at_min_scale` must be True or False. "
+                f"Received: stop_at_min_scale={stop_at_min_scale!r}"
+            )
+        if verbose not in (0, 1):
+            raise ValueError(f"`verbose` must be 0 or 1. Received: verbose={verbose!r}")
+        self.patience = int(patience)
+        self.stop_at_min_scale = stop_at_min_scale
+        self.verbose = verbose
+        self.stopped_step = None
+        self.message = None
+
+    def on_train_begin(self, logs=None):
+        optimizers = loss_scale_optimizers(self.model)
+        if not optimizers:
+            raise TypeError(
+                "OverflowGuard watches a keras_mp.LossScaleOptimizer: compile "
+                "the model with one (or with `amp_level=`). Received: "
+                f"optimizer={getattr(self.model, 'optimizer', None)!r}"
+            )
+        checked = [(label, o) for label, o in optimizers if o._config.checks_finite]
+        if not checked:
+            raise ValueError(
+                "OverflowGuard needs an optimizer that skips overflowing steps; "
+                "this one applies every step unchecked (dynamic=False, "
+                "skip_on_overflow=False). Received: "
+                f"skip_on_overflow={optimizers[0][1].skip_on_overflow!r}"
+            )
+        # Every optimizer the model trains with (a GAN's two), each watched
+        # on its own: its streak of skipped steps, its scale.
+        self._watches = [_Watch(label, o) for label, o in checked]
+        self._optimizer = self._watches[0].optimizer
+        self._step = 0
+        self._pending = []
+        self.stopped_step = None
+        self.message = None
+
+    def on_train_batch_end(self, batch, logs=None):
+        logs = logs or {}
+        values = []
+        for watch in self._watches:
+            skipped_key, scale_key = telemetry_keys(watch.label)[::-1]
+            if skipped_key in logs and scale_key in logs:
+                values.append((logs[skipped_key], logs[scale_key]))
+            else:  # A step without keras_mp's logs for it: the variables.
+                values.append(
+                    (
+                        keras.ops.copy(watch.optimizer.skipped_steps.value),
+                        keras.ops.copy(watch.optimizer.loss_scale.value),
+                    )
+                )
+        self._pending.append((self._step, values))
+        self._step += 1
+        while len(self._pending) > 1:
+            self._check(*self._pending.pop(0))
+
+    def on_epoch_end(self, epoch, logs=None):
+        self._drain()
+
+    def on_train_end(self, logs=None):
+        self._drain()
+
+    def _drain(self):
+        while getattr(self, "_pending", None):
+            self._check(*self._pending.pop(0))
+
+    def _check(self, step, values):
+        for watch, (skipped_steps, loss_scale) in zip(self._watches, values):
+            if self.stopped_step is not None:
+                return
+            what = watch.update(
+                int(_value(skipped_steps)),
+                float(_value(loss_scale)),
+                self.patience,
+                self.stop_at_min_scale,
+            )
+            if what is None:
+                continue
+            whose = "" if watch.label == "optimizer" else f"`{watch.label}`: "
+            self.message = (
+                f"OverflowGuard stopped training at step {step}: {whose}{what}; "
+                f"{watch.last_skipped} steps skipped in all. {_HINTS}"
+            )
+            self.stopped_step = step
+            self.model.stop_training = True
+            if self.verbose:
+                keras_internals.print_msg(self.message)
+
+
+class _Watch:
+    """One optimizer's skipped steps in a row, and its scale, for OverflowGuard."""
+
+    def __init__(self, label, optimizer):
+        self.label = label
+        self.optimizer = optimizer
+        self.last_skipped = _value(optimizer.skipped_steps)
+        self.last_scale = float(_value(optimizer.loss_scale))
+        self.streak = 0
+
+    def update(self, skipped_steps, loss_scale, patience, stop_at_min_scale):
+        """Takes a step's values; returns why to stop, or None."""
+        new_skips = skipped_steps - self.last_skipped
+        scale_before, self.last_scale = self.last_scale, loss_scale
+        self.last_skipped = skipped_steps
+        self.streak = self.streak + new_skips if new_skips > 0 else 0
+        optimizer = self.optimizer
+        pinned = (
+            stop_at_min_scale
+            and optimizer.dynamic
+            and new_skips > 0
+            and scale_before <= optimizer.min_scale
+        )
+        if self.streak < patience and not pinned:
+            return None
+        if pinned:
+            return (
+                f"the loss scale is pinned at min_scale={optimizer.min_scale:g} "
+                f"and steps still overflow ({self.streak} skipped in a row)"
+            )
+        return (
+            f"{self.streak} steps in a row were skipped because their "
+            f"gradients were not finite (patience={patience}); the "
+            f"loss scale is {loss_scale:g}"
+            + (f" (min_scale={optimizer.min_scale:g})" if optimizer.dynamic else " (fixed)")
+        )
+
+
+class _Whole(float):
+    """A log value shown without Keras's four decimals when it is whole.
+
+    Keras's progress bar divides a stateful value by 1 and formats it with
+    `.4f` (or `.4e` below 1e-3, which gave `skipped_steps: 0.0000e+00`);
+    both keep this type, which prints `3` and `32768` (and `0.5` as `0.5`).
+    """
+
+    def __truediv__(self, other):
+        return _Whole(float(self) / other)
+
+    def __format__(self, spec):
+        value = float(self)
+        return str(int(value)) if value.is_integer() and abs(value) < 2**53 else f"{value:g}"
+
+
+class _Progbar(keras.utils.Progbar):
+    def update(self, current, values=None, finalize=None):
+        values = [
+            (k, _Whole(v) if k.endswith(WHOLE_KEYS) and isinstance(v, (int, float)) else v)
+            for k, v in (values or [])
+        ]
+        if self.stateful_metrics is not None:
+            # A bar that averages what it is not told is stateful (as Keras
+            # 3.10's does) shows the scale and the count as they are now.
+            self.stateful_metrics.update(k for k, _ in values if k.endswith(WHOLE_KEYS))
+        super().update(current, values, finalize=finalize)
+
+
+class ProgbarLogger(keras.callbacks.ProgbarLogger):
+    """Keras's progress bar, with keras_mp's telemetry shown as whole numbers.
+
+    `fit` of a model compiled with keras_mp's LossScaleOptimizer uses it in
+    place of Keras's (unless a `ProgbarLogger` is passed in `callbacks`):
+    `loss_scale: 32768 - skipped_steps: 3`, not `32768.0000` and `3.0000`.
+    """
+
+    def _maybe_init_progbar(self):
+        # Keras makes its bar (with the arguments of its release); it then
+        # prints the counts as whole numbers.
+        fresh = self.progbar is None
+        super()._maybe_init_progbar()
+        if fresh and type(self.progbar) is keras.utils.Progbar:
+            self.progbar.__class__ = _Progbar
+
+
+WHOLE_KEYS = ("loss_scale", "skipped_steps")
+
+
+class EpochTelemetry(keras.callbacks.Callback):
+    """Adds `loss_scale` and `skipped_steps` to each epoch's logs.
+
+    `fit` puts it first in the callbacks (so that `History`, the progress bar
+    and the caller's callbacks see the values) when no callback reads each
+    batch's logs, and the step does not return them: the optimizer's
+    variables are read once an epoch (on JAX, after Keras's own state sync).
+    """
+
+    async_safe = True
+
+    def on_epoch_end(self, epoch, logs=None):
+        if logs is None:
+            return
+        optimizers = loss_scale_optimizers(self.model)
+        applied = [(label, o) for label, o in optimizers if o._applies]
+        for label, optimizer in applied or optimizers:
+            scale_key, skipped_key = telemetry_keys(label)
+            if scale_key not in logs:
+                logs[scale_key] = float(_value(optimizer.loss_scale))
+                logs[skipped_key] = float(_value(optimizer.skipped_steps))

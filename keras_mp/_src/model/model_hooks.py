@@ -1,0 +1,77 @@
+"""What keras_mp changes in Keras's `Model` beyond `compile`, for the models
+whose precision it set (`policies.is_amp_model`); other models get Keras's own.
+
+- `fit`, `train_on_batch` and `load_weights` first wrap every bare optimizer
+  the model holds (`wrapping.wrap_model_optimizers`).
+- A layer's half `add_loss`/regularization losses are summed in floatx.
+
+Installed by `compile.install`.
+"""
+
+import functools
+
+import keras
+
+from keras_mp._src import keras_internals
+from keras_mp._src.model.train_step import guard_train_step
+from keras_mp._src.model.wrapping import wrap_model_optimizers
+from keras_mp._src.precision.policies import is_amp_model
+
+_keras_aggregate_additional_loss = keras_internals.aggregate_additional_loss
+
+
+def aggregate_additional_loss_in_floatx(self, loss):
+    """A layer's `add_loss`, activity or weight regularization loss, in floatx.
+
+    A layer computing in half adds its activity regularization (and O3's
+    half weights their `kernel_regularizer` losses) in half; Keras then sums
+    them with the float32 loss, which TensorFlow refuses ("Cannot convert a
+    list containing a tensor of dtype float16 to float32"), under Keras's own
+    mixed policies too. tf.keras 2 cast them to the widest dtype first
+    (`cast_losses_to_common_dtype`); so does this, before the sum, for the
+    models whose precision keras_mp set. Other models get Keras's own.
+    """
+    if (
+        is_amp_model(self)
+        and keras.backend.standardize_dtype(loss.dtype) in ("float16", "bfloat16")
+        and keras.config.floatx() in ("float32", "float64")
+    ):
+        loss = keras.ops.cast(loss, keras.config.floatx())
+    return _keras_aggregate_additional_loss(self, loss)
+
+
+def _with_optimizers_prepared(method):
+    """`fit` / `train_on_batch` / `load_weights` of a model whose precision
+    keras_mp set: first, every bare optimizer it holds is wrapped as its
+    precision needs (`wrapping.wrap_model_optimizers`): a `compile` of the
+    model's own may keep them in attributes of its own (a GAN's
+    `d_optimizer`); weights saved after training load into the wrappers they
+    were saved from. Other models get Keras's own, untouched."""
+
+    @functools.wraps(method)
+    def prepared(self, *args, **kwargs):
+        if is_amp_model(self) and wrap_model_optimizers(self):
+            had_own = method.__name__ in self.__dict__
+            guard_train_step(self, guard=True)
+            if not had_own and method.__name__ in self.__dict__:
+                # Through the model's own `fit` now (the logs' telemetry).
+                return getattr(self, method.__name__)(*args, **kwargs)
+        return method(self, *args, **kwargs)
+
+    prepared._keras_mp_prepared = True
+    return prepared
+
+
+def install_preparation():
+    for name in ("fit", "train_on_batch", "load_weights"):
+        owner = next(c for c in keras.Model.__mro__ if name in c.__dict__)
+        if not getattr(owner.__dict__[name], "_keras_mp_prepared", False):
+            setattr(owner, name, _with_optimizers_prepared(owner.__dict__[name]))
+
+
+def install():
+    """Installs both (idempotent)."""
+    install_preparation()
+    trainer = keras_internals.Trainer
+    if _keras_aggregate_additional_loss is not None:
+        trainer._aggregate_additional_loss = aggregate_additional_loss_in_floatx

@@ -1,0 +1,13 @@
+"""Precision: which layer computes in what, and why.
+
+The levels (`levels`, `amp_settings`, `auto_level`), the rules as a table
+(`layer_kinds`, `rules`), walks of the layer tree (`layer_tree`), setting
+the policies (`policies`), the casts at layers' boundaries (`boundaries`),
+configs that rebuild in the precision set (`loadable_config`), a layer of
+the user's that cannot compute in half (`fallback`), initializers without
+half kernels (`half_initializers`).
+
+May import: `keras_internals`, `backends`, `optimizer` (the checks of the
+optimizer's arguments that `amp_settings` resolves). Never `model` or
+`tools` (`tests/test_style.py` checks it).
+"""

@@ -1,0 +1,196 @@
+"""The boundary rule: the dtypes a layer takes and returns across its `call`.
+
+A model's outputs leave in float32; a subclassed model's inputs arrive in
+float32 and are cast to the level's dtype inside its `call`; inside a layer
+that runs its own `call`, a sublayer whose compute dtype differs from its
+caller's returns its outputs in the caller's dtype. Each is a cast wrapped
+around the layer's `call` (`set_boundary_casts`), installed once, which
+reads the latest dtypes at each call.
+"""
+
+import functools
+import threading
+
+import keras
+
+from keras_mp._src import keras_internals
+from keras_mp._src.precision import layer_tree
+
+_CASTS_ATTRIBUTE = "_keras_mp_boundary_casts"
+_ENTRY_DTYPE_ATTRIBUTE = "_keras_mp_entry_dtype"
+_OUTPUT_DTYPE_ATTRIBUTE = "_keras_mp_output_dtype"
+# On a model held by a subclassed model: the dtype it returns when called
+# from outside that model's `call` (its `train_step`, `compute_loss`).
+_OUTSIDE_DTYPE_ATTRIBUTE = "_keras_mp_outside_dtype"
+# How many subclassed models' own `call`s are running (this thread).
+_MODEL_CALLS = threading.local()
+
+
+def casts_of(layer):
+    """`(entry_dtype, output_dtype)` of a layer's boundary casts, or None."""
+    if not getattr(layer, _CASTS_ATTRIBUTE, False):
+        return None
+    return getattr(layer, _ENTRY_DTYPE_ATTRIBUTE), getattr(layer, _OUTPUT_DTYPE_ATTRIBUTE)
+
+
+def set_boundary_casts(layer, entry_dtype=None, output_dtype=None):
+    """Makes `layer` take `entry_dtype` inside its `call` and return `output_dtype`.
+
+    - `entry_dtype` (subclassed models only): the model's own policy is
+      float32, so its inputs arrive in float32 (and `model.export` gets a
+      float32 serving signature); inside `call` they are cast to the
+      level's dtype, as a mixed policy on the model would, so that raw ops
+      in `call` (a residual `x + attention(x)`) see the same dtype as the
+      layers' outputs.
+    - `output_dtype`: the layer's floating outputs are cast to it on the way
+      out (Keras masks kept). Set for a model's float32 outputs, and for a
+      sublayer whose compute dtype differs from the layer that calls it
+      (`apply_amp`'s boundary rule), so that the caller's own arithmetic
+      on its sublayers' outputs sees one dtype.
+
+    `None` turns a cast off. Idempotent: the wrapper is installed once and
+    reads the latest dtypes at each call.
+    """
+    installed = getattr(layer, _CASTS_ATTRIBUTE, False)
+    if not installed and entry_dtype is None and output_dtype is None:
+        return
+    object.__setattr__(layer, _ENTRY_DTYPE_ATTRIBUTE, entry_dtype)
+    object.__setattr__(layer, _OUTPUT_DTYPE_ATTRIBUTE, output_dtype)
+    if installed:
+        return
+    # A quantized layer (int8, float8) runs `quantized_call`, not `call`:
+    # both carry the casts, so quantizing after `apply_amp` keeps them too.
+    for method in ("call", "quantized_call"):
+        if hasattr(layer, method):
+            object.__setattr__(layer, method, _with_boundary_casts(layer, getattr(layer, method)))
+    object.__setattr__(layer, _CASTS_ATTRIBUTE, True)
+
+
+def _inside_a_model_call():
+    return getattr(_MODEL_CALLS, "depth", 0) > 0
+
+
+def _with_boundary_casts(layer, call):
+    @functools.wraps(call)
+    def call_with_boundary_casts(*args, **kwargs):
+        entry = getattr(layer, _ENTRY_DTYPE_ATTRIBUTE)
+        if entry is None:
+            outputs = call(*args, **kwargs)
+        else:
+            if entry != "float32":
+                args, kwargs = keras.tree.map_structure(
+                    lambda x: _cast_float(x, entry), (args, kwargs)
+                )
+            _MODEL_CALLS.depth = getattr(_MODEL_CALLS, "depth", 0) + 1
+            try:
+                outputs = call(*args, **kwargs)
+            finally:
+                _MODEL_CALLS.depth -= 1
+        target = getattr(layer, _OUTPUT_DTYPE_ATTRIBUTE)
+        outside = getattr(layer, _OUTSIDE_DTYPE_ATTRIBUTE, None)
+        if outside is not None and not _inside_a_model_call():
+            target = outside
+        if target is None:
+            return outputs
+        return keras.tree.map_structure(lambda x: _cast_half_or_float32(x, target), outputs)
+
+    return call_with_boundary_casts
+
+
+def _cast_float(x, dtype):
+    """Casts a float32 tensor to `dtype`; anything else passes unchanged."""
+    if not (keras.ops.is_tensor(x) or isinstance(x, keras.KerasTensor)):
+        return x
+    if keras.backend.standardize_dtype(x.dtype) != "float32":
+        return x
+    return keras.ops.cast(x, dtype)
+
+
+_COMPUTE_FLOATS = ("float16", "bfloat16", "float32")
+
+
+def _cast_half_or_float32(x, dtype):
+    """Casts a float16/bfloat16/float32 tensor to `dtype`, keeping its Keras mask.
+
+    Anything else (integers, booleans, float64, None) passes unchanged.
+    """
+    current = getattr(x, "dtype", None)
+    if current is None or not (keras.ops.is_tensor(x) or isinstance(x, keras.KerasTensor)):
+        return x
+    current = keras.backend.standardize_dtype(current)
+    if current == dtype or current not in _COMPUTE_FLOATS:
+        return x
+    mask = keras_internals.get_keras_mask(x) if keras.ops.is_tensor(x) else None
+    y = keras.ops.cast(x, dtype)
+    if mask is not None:
+        keras_internals.set_keras_mask(y, mask)
+    return y
+
+
+# Keras's categorical and text preprocessing layers: their outputs are
+# indices, one-hot vectors, counts and bins, exact in float32. In half, hash
+# bins and vocabulary indices above 2048 (float16) or 256 (bfloat16) round
+# to their neighbours', bin boundaries move, and TensorFlow's bincount has
+# no half kernel. Keras pins most of them to `floatx()` under any global
+# policy; keras_mp keeps them in float32 at every level.
+
+
+def set_boundaries(model, outputs=None, entry_dtype=None):
+    """The boundary rule: what a layer returns to the layer that calls it.
+
+    `outputs` None (`to_float` on a layer): only the layers inside `model`
+    are set; `model`'s own casts are left as they are.
+
+    - A subclassed model that is the model (or one of its outputs) takes
+      float32 inputs, computes inside in the level's `entry_dtype`, and
+      returns float32.
+    - Inside a layer that runs its own `call` (a composite layer such as
+      `TransformerEncoder`, or a subclassed model), a sublayer whose compute
+      dtype differs from its caller's returns its floating outputs in the
+      caller's dtype: a float32 LayerNormalization inside a float16 block
+      (O2) returns float16, a float16 Dense inside a float32 block (O1)
+      returns float32. The caller's own arithmetic (`x + residual`) then
+      sees one dtype, as it does under one Keras mixed policy.
+    - Inside Sequential and functional models nothing is cast on the way
+      out: Keras casts each layer's inputs to its own compute dtype.
+
+    Returns:
+        `(layer, dtype, caller)` for each layer that now returns a dtype
+        other than its own compute dtype to its caller.
+    """
+    inner_dtypes = {}
+    returns = []
+    for layer, parent in layer_tree.tree(model):
+        if outputs is None and layer is model:
+            inner_dtypes[id(layer)] = None if layer_tree.is_graph(layer) else layer.compute_dtype
+            continue
+        if layer is model and layer_tree.is_graph(model):
+            # A feature extractor's outputs that its layers also take in
+            # leave in float32, cast here; its layers compute as the level says.
+            inner_dtypes[id(layer)] = None
+            extractor = layer_tree.intermediate_outputs(model)
+            set_boundary_casts(layer, output_dtype="float32" if extractor else None)
+            continue
+        if layer_tree.is_subclassed(layer) and (
+            layer is model or any(layer is o for o in outputs or ())
+        ):
+            inner_dtypes[id(layer)] = entry_dtype
+            set_boundary_casts(layer, entry_dtype, "float32")
+            continue
+        inner_dtypes[id(layer)] = None if layer_tree.is_graph(layer) else layer.compute_dtype
+        caller_dtype = None if parent is None else inner_dtypes[id(parent)]
+        # A layer or model held by the (subclassed) model: its own
+        # `train_step` or `compute_loss` calls it too (a GAN's generator,
+        # DDIM's normalizer), and gets float32, as from the model, whatever
+        # the half dtype.
+        held = parent is model and layer_tree.is_subclassed(model)
+        object.__setattr__(layer, _OUTSIDE_DTYPE_ATTRIBUTE, "float32" if held else None)
+        if caller_dtype is not None and (
+            layer.compute_dtype != caller_dtype or layer_tree.is_container(layer) or held
+        ):
+            set_boundary_casts(layer, output_dtype=caller_dtype)
+            if layer.compute_dtype != caller_dtype:
+                returns.append((layer, caller_dtype, parent))
+        else:
+            set_boundary_casts(layer)
+    return returns

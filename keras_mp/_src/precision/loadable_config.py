@@ -1,0 +1,104 @@
+"""Configs of your own blocks that rebuild in the precision keras_mp set.
+
+`apply_amp` gives this to each layer it sets a policy on
+(`keep_config_loadable`); it changes a layer's `get_config` only for a
+block of the user's written as Keras's guides write one.
+"""
+
+import functools
+
+import keras
+
+from keras_mp._src import keras_internals
+from keras_mp._src.precision import layer_tree
+from keras_mp._src.precision.layer_kinds import from_aware_package
+
+_LOADABLE_CONFIG_ATTRIBUTE = "_keras_mp_loadable_config"
+_BUILT_UNDER_ATTRIBUTE = "_keras_mp_built_under"
+
+
+def keep_config_loadable(layer):
+    """Makes a block of the user's that computes in half rebuild from its config.
+
+    A layer written as Keras's guides write one makes its sublayers in
+    `__init__` without passing its dtype on, and its config does not hold
+    them: rebuilt from its config (`load_model`, `clone_model`,
+    `serving_copy`), the block gets its saved policy and its sublayers
+    Keras's default. Its own arithmetic then mixes half and float32, which
+    TensorFlow refuses (Keras's own mixed policies fail the same way in a
+    process whose global policy is float32). Such a layer's config gives no
+    dtype instead, so that the block comes back in the default policy with
+    its sublayers; `compile_from_config` then restores the precision that
+    keras_mp set (`restore_precision`). A layer of Keras or KerasHub passes
+    its dtype on, and a layer whose config holds its sublayers' configs
+    rebuilds them with their own: theirs are left as they are.
+    """
+    if layer_tree.is_graph(layer):
+        _keep_the_graph_it_was_built_with(layer)
+        return
+    if getattr(layer, _LOADABLE_CONFIG_ATTRIBUTE, False) or from_aware_package(layer):
+        return
+    get_config = layer.get_config
+
+    @functools.wraps(get_config)
+    def get_config_without_half_dtype():
+        config = get_config()
+        if (
+            isinstance(config, dict)
+            and config.get("dtype") is not None
+            and layer.dtype_policy.name != keras.config.dtype_policy().name
+            and layer_tree.has_sublayers(layer)
+            and not holds_layer_configs([v for k, v in config.items() if k != "dtype"])
+        ):
+            config = {**config, "dtype": None}
+        return config
+
+    object.__setattr__(layer, "get_config", get_config_without_half_dtype)
+    object.__setattr__(layer, _LOADABLE_CONFIG_ATTRIBUTE, True)
+
+
+def holds_layer_configs(value):
+    """Whether a config value holds a layer, or a serialized one (a config with
+    a dtype)."""
+    if isinstance(value, keras.layers.Layer):
+        return True
+    if isinstance(value, dict):
+        config = value.get("config")
+        if isinstance(config, dict) and "dtype" in config:
+            return True
+        return any(holds_layer_configs(v) for v in value.values())
+    if isinstance(value, (list, tuple)):
+        return any(holds_layer_configs(v) for v in value)
+    return False
+
+
+def _keep_the_graph_it_was_built_with(model):
+    """A functional model that its own constructor builds (KerasHub's
+    backbones and tasks) rebuilds from its config the graph it has.
+
+    Such a constructor puts raw ops in the graph in the dtype of the moment:
+    GemmaBackbone scales its embeddings by `ops.cast(ops.sqrt(hidden_dim),
+    x.dtype)`, which built in float32 is 5.656854 and rebuilt from a config
+    whose `dtype` is the level's (`mixed_float16`) is float16's 5.65625: the
+    loaded model predicted 4e-3 away from the saved one, with the same
+    weights and the same policies. Its config therefore gives the dtype it
+    was built under; the load then restores each layer's precision
+    (`restore_precision`). A plain `keras.Model(inputs, outputs)` saves its
+    ops with their dtypes, and Sequential has none: left as they are.
+    """
+    if type(model) in (keras_internals.Functional, keras.Sequential) or not model.built:
+        return
+    if _BUILT_UNDER_ATTRIBUTE in model.__dict__:
+        return
+    object.__setattr__(model, _BUILT_UNDER_ATTRIBUTE, model.dtype_policy)
+    get_config = model.get_config
+
+    @functools.wraps(get_config)
+    def get_config_built_under():
+        config = get_config()
+        if isinstance(config, dict) and "dtype" in config:
+            built_under = model.__dict__[_BUILT_UNDER_ATTRIBUTE]
+            config = {**config, "dtype": keras.dtype_policies.serialize(built_under)}
+        return config
+
+    object.__setattr__(model, "get_config", get_config_built_under)

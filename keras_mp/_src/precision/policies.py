@@ -1,0 +1,280 @@
+"""Per-layer dtype policies: a level applied to a model, by hand or by list.
+
+Every decision is an ordinary Keras dtype policy on `layer.dtype_policy`; the
+rule that set it (`rules.py`) is kept beside it, for `precision_summary`.
+`apply_amp` walks the layer tree once, asks the rules for each layer, sets
+the policies (converting a built model's variables at O3), then the
+boundary casts (`boundaries.py`).
+"""
+
+import keras
+
+from keras_mp._src import backends
+from keras_mp._src import keras_internals
+from keras_mp._src.precision import amp_settings
+from keras_mp._src.precision import boundaries
+from keras_mp._src.precision import fallback
+from keras_mp._src.precision import layer_kinds
+from keras_mp._src.precision import layer_tree
+from keras_mp._src.precision import rules
+from keras_mp._src.precision.layer_kinds import ALLOW_LIST
+from keras_mp._src.precision.layer_kinds import EXACT_PREPROCESSING
+from keras_mp._src.precision.layer_kinds import matches
+from keras_mp._src.precision.loadable_config import keep_config_loadable
+
+_RULE_ATTRIBUTE = "_keras_mp_rule"
+# The rule of a layer keras_mp never set.
+KERAS_DEFAULT_RULE = "Keras default"
+# Set on a model that `apply_amp` or `to_float` was given (see `is_amp_model`).
+_AMP_MODEL_ATTRIBUTE = "_keras_mp_amp_model"
+_LAYER_LISTS_ATTRIBUTE = "_keras_mp_layer_lists"
+
+
+def mark_amp_model(model):
+    if isinstance(model, keras.Model):
+        object.__setattr__(model, _AMP_MODEL_ATTRIBUTE, True)
+
+
+def is_amp_model(model):
+    """Whether keras_mp set this model's precision (`apply_amp`, `to_float`,
+    `compile(amp_level=...)`): what keras_mp changes of Keras's behaviour
+    beyond the policies applies to such models only."""
+    return getattr(model, _AMP_MODEL_ATTRIBUTE, False)
+
+
+def rule_of(layer):
+    """The rule that set `layer`'s policy (`KERAS_DEFAULT_RULE` if none did)."""
+    return getattr(layer, _RULE_ATTRIBUTE, KERAS_DEFAULT_RULE)
+
+
+def check_model(model, argument="model"):
+    if not isinstance(model, keras.layers.Layer):
+        raise TypeError(
+            f"`{argument}` must be a Keras model or layer (a "
+            f"`keras.layers.Layer`). Received: {argument}={model!r} of type "
+            f"{type(model).__name__}"
+        )
+
+
+def apply_amp(
+    model,
+    level="O2",
+    dtype="float16",
+    keep_batchnorm_fp32=None,
+    allow=None,
+    deny=None,
+):
+    """Sets every layer's dtype policy for a precision level.
+
+    The levels (Apex's O0-O3, MindSpore's `amp_level`):
+
+    - `"O0"`: float32 everywhere (the accuracy baseline).
+    - `"O1"`: half compute on the allow-list only (`ALLOW_LIST`: Dense,
+      EinsumDense, convolutions, attention, recurrent cells) and the layers
+      inside them but for the deny-list; float32 variables.
+    - `"O2"`: half compute everywhere except the deny-list (`DENY_LIST`:
+      normalisations, also any class named `...Norm`/`...Normalization`,
+      and Softmax) and the model's output layers; float32 variables (master
+      weights). In float16, a layer defined outside Keras and KerasHub that
+      contains other layers runs its own arithmetic in float32 (the layers
+      inside it compute in half), unless it is in `allow`.
+    - `"O3"`: half compute and half variables everywhere; BatchNorm too unless
+      `keep_batchnorm_fp32=True`. A built model's weights are converted in
+      place (same model, same variable objects, values rounded to half).
+
+    The model's output layers compute in float32 at every level, so outputs
+    and the loss are float32. Inside a layer that calls other layers, a
+    sublayer whose compute dtype differs from its caller's returns its
+    outputs in the caller's dtype, so the caller's own arithmetic sees one
+    dtype. `keras.layers.Normalization` and the categorical preprocessing
+    layers (`Hashing`, `StringLookup`, `CategoryEncoding`, ...) stay float32
+    at every level; quantized policies, and policies that compute in a
+    dtype other than a float (int64 hash bins, strings), are kept.
+
+    Args:
+        model: a Keras model (Sequential, functional or subclassed) or layer,
+            built or not.
+        level: one of `"O0"`, `"O1"`, `"O2"`, `"O3"`.
+        dtype: the half dtype, `"float16"` or `"bfloat16"`.
+        keep_batchnorm_fp32: bool or `None` (float32 BatchNorm except at O3).
+        allow: layer classes, names or layers to add to the allow-list
+            (O1), or, at O2, your own composite layers to run in half.
+        deny: layer classes, names or layers to add to the deny-list (O2).
+
+    Returns:
+        `model`, changed in place.
+
+    Raises:
+        TypeError: `model` is not a Keras layer, or `allow`/`deny` hold
+            something other than layer classes, names and layers.
+        ValueError: unknown `level` or `dtype`.
+
+    Example:
+
+    >>> model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(8),
+    ...                           keras.layers.BatchNormalization(),
+    ...                           keras.layers.Dense(2)])
+    >>> _ = keras_mp.apply_amp(model, "O2")
+    >>> [l.dtype_policy.name for l in model.layers]
+    ['mixed_float16', 'float32', 'float32']
+    """
+    check_model(model)
+    return apply(model, amp_settings.for_layers(level, dtype, keep_batchnorm_fp32, allow, deny))
+
+
+def apply(model, amp):
+    """`apply_amp` with its settings resolved (`amp_settings.AmpSettings`)."""
+    outputs = layer_tree.output_layers(model)
+    entry_dtype = amp.inner_dtype
+    if rules.own_arithmetic_in_float32(model, rules.Place(amp, model)):
+        entry_dtype = "float32"  # a subclassed model's own `call`, as its layers'
+    decisions = decide_all(model, amp, outputs)
+    set_policies(model, decisions)
+    _annotate_returns(boundaries.set_boundaries(model, outputs, entry_dtype))
+    mark_amp_model(model)
+    set_layer_lists(model, amp.allow, amp.deny)
+    return model
+
+
+def decide_all(model, amp, outputs=None):
+    """`[(layer, (policy name or None, reason))]` for `model`'s tree under
+    `amp`: what `apply` sets, computed without setting it (the speed report
+    asks it of a level the model is not at)."""
+    if outputs is None:
+        outputs = layer_tree.output_layers(model)
+    decisions = []
+    inside_allowed = set()  # ids of layers inside an allow-listed one (O1)
+    inside_denied = set()  # ids of layers inside a nested model named in `deny=`
+    allow = ALLOW_LIST + amp.allow
+    for layer, parent in layer_tree.tree(model):
+        if parent is not None and (
+            id(parent) in inside_allowed
+            or (not layer_tree.is_container(parent) and matches(parent, allow))
+        ):
+            inside_allowed.add(id(layer))
+        if parent is not None and (
+            id(parent) in inside_denied
+            or (layer_tree.is_container(parent) and matches(parent, amp.deny))
+        ):
+            inside_denied.add(id(layer))
+        place = rules.Place(
+            amp,
+            model,
+            parent,
+            output=any(layer is o for o in outputs),
+            inside_allowed=id(layer) in inside_allowed,
+            inside_denied=id(layer) in inside_denied,
+        )
+        decisions.append((layer, rules.decide(layer, place)))
+    return decisions
+
+
+def _annotate_returns(returns):
+    for layer, dtype, caller in returns:
+        rule = getattr(layer, _RULE_ATTRIBUTE, None)
+        if rule is not None:
+            object.__setattr__(layer, _RULE_ATTRIBUTE, f"{rule}; returns {dtype} to {caller.name}")
+
+
+def layer_lists(model):
+    """The `allow` and `deny` entries the latest `apply_amp` of `model` was
+    given (empty tuples when none): `compile(amp_level=...)` applies its
+    level with them, so that a layer you denied stays float32."""
+    return getattr(model, _LAYER_LISTS_ATTRIBUTE, ((), ()))
+
+
+def set_layer_lists(model, allow, deny):
+    object.__setattr__(model, _LAYER_LISTS_ATTRIBUTE, (tuple(allow), tuple(deny)))
+
+
+def to_float(layer_or_model, dtype):
+    """Manual mixed precision: a layer and all its sublayers compute in `dtype`.
+
+    As MindSpore's `Cell.to_float`: `"float16"` or `"bfloat16"` gives the layer
+    (and every layer inside it) half compute with float32 variables
+    (`mixed_float16` / `mixed_bfloat16`); `"float32"` puts it back in full
+    precision. Other layers are untouched. Inside the layer, as with
+    `apply_amp`, quantized layers and layers that compute in a dtype other
+    than a float keep their policies, and the categorical preprocessing
+    layers stay float32.
+
+    Args:
+        layer_or_model: a Keras layer or model.
+        dtype: `"float16"`, `"bfloat16"` or `"float32"`.
+
+    Returns:
+        `layer_or_model`, changed in place.
+    """
+    check_model(layer_or_model, "layer_or_model")
+    name = getattr(dtype, "name", dtype)
+    if name not in ("float16", "bfloat16", "float32"):
+        raise ValueError(
+            f"`dtype` must be one of float16, bfloat16, float32. Received: dtype={dtype!r}"
+        )
+    policy = "float32" if name == "float32" else f"mixed_{name}"
+    rule = f"to_float({name!r})"
+    decisions = []
+    for layer in layer_tree.layers_in_order(layer_or_model):
+        kept = rules.kept_reason(layer)
+        if kept is not None:
+            decisions.append((layer, (None, kept)))
+        elif isinstance(layer, EXACT_PREPROCESSING):
+            decisions.append((layer, ("float32", f"{rule}: indices, counts and bins in float32")))
+        else:
+            decisions.append((layer, (policy, rule)))
+    set_policies(layer_or_model, decisions)
+    # One dtype inside: no sublayer casts its outputs any more. What the
+    # layer itself returns to its caller is left as it was.
+    boundaries.set_boundaries(layer_or_model)
+    mark_amp_model(layer_or_model)
+    return layer_or_model
+
+
+def set_policies(model, decisions):
+    """Sets each `(layer, (policy name or None, rule))`; None keeps the
+    layer's policy. A built layer's variables are converted in place."""
+    changed = False
+    for layer, (policy_name, rule) in decisions:
+        changed = _set_policy(layer, policy_name, rule) or changed
+    if changed:
+        backends.current.variables_changed(model)
+
+
+def _set_policy(layer, policy_name, rule):
+    """Sets the policy; returns whether a built layer's variables changed.
+
+    `policy_name` None keeps the layer's policy (`rules.KEEP`).
+    """
+    object.__setattr__(layer, _RULE_ATTRIBUTE, rule)
+    if policy_name is None:
+        return False
+    keep_config_loadable(layer)
+    policy = keras.dtype_policies.get(policy_name)
+    previous = layer.dtype_policy.variable_dtype
+    layer.dtype_policy = policy
+    if not layer_tree.is_container(layer) and layer_kinds.runs_users_code(layer):
+        fallback.watch(layer)  # your code: float32 if its call cannot run in half
+    return layer.built and _convert_own_variables(layer, previous, policy.variable_dtype)
+
+
+_LORA_WEIGHTS = ("lora_kernel_a", "lora_kernel_b", "lora_embeddings_a", "lora_embeddings_b")
+
+
+def _convert_own_variables(layer, previous, variable_dtype):
+    """Recasts a built layer's own variables of its previous policy's dtype
+    in place (same objects), as building it under the new policy would have
+    created them: a weight created with a dtype of its own (LoRA's float32,
+    a custom layer's `add_weight(dtype=...)`, integer counters) keeps it."""
+    if previous == variable_dtype:
+        return False
+    own_dtype = {
+        id(getattr(layer, name)) for name in _LORA_WEIGHTS if getattr(layer, name, None) is not None
+    }
+    changed = False
+    for variable in keras_internals.own_variables(layer):
+        current = keras.backend.standardize_dtype(variable.dtype)
+        if current != previous or id(variable) in own_dtype:
+            continue
+        keras_internals.recast(variable, variable_dtype)
+        changed = True
+    return changed

@@ -1,0 +1,337 @@
+"""Which layer computes in which dtype: the precision rules, as a table.
+
+`RULES` is read top to bottom; the first row whose conditions all hold for a
+layer gives its policy and the reason `precision_summary` shows. A row is
+data: conditions (a layer class matched with `isinstance`, or a property of
+the layer, of where it sits, or of the level), a policy, a reason. As in
+PyTorch's autocast lists and MindSpore's white and black lists, the level is
+a choice of rows, and a rule for a new model family is one row (and one
+test): `docs/design.md`, "Adding a rule". The kinds of layer the rows ask
+about, and the lists, are `layer_kinds.py`.
+
+Policies: `FLOAT32`; `MIXED` (half compute, float32 variables); `HALF` (half
+compute and variables, O3); `CONTAINER` (a nested model's policy: it casts
+its inputs); `KEEP` (the layer's own policy stays). `{level}` in a reason is
+the level's name; `{policy}` and `{compute}` the layer's own.
+"""
+
+import dataclasses
+import warnings
+
+import keras
+
+from keras_mp._src import backends
+from keras_mp._src.precision import layer_tree
+from keras_mp._src.precision.layer_kinds import ALLOW_LIST
+from keras_mp._src.precision.layer_kinds import DENY_LIST
+from keras_mp._src.precision.layer_kinds import EPS_1E12
+from keras_mp._src.precision.layer_kinds import EXACT_PREPROCESSING
+from keras_mp._src.precision.layer_kinds import MASKS_WITH_1E9
+from keras_mp._src.precision.layer_kinds import OWN_L2_NORM
+from keras_mp._src.precision.layer_kinds import computes_no_float
+from keras_mp._src.precision.layer_kinds import is_attention
+from keras_mp._src.precision.layer_kinds import is_normalization
+from keras_mp._src.precision.layer_kinds import is_router
+from keras_mp._src.precision.layer_kinds import matches
+from keras_mp._src.precision.layer_kinds import of_class
+from keras_mp._src.precision.layer_kinds import quantized
+from keras_mp._src.precision.layer_kinds import routes_experts
+from keras_mp._src.precision.layer_kinds import runs_unknown_arithmetic
+from keras_mp._src.precision.levels import Compute
+
+# -- the policies a row gives ---------------------------------------------------
+
+FLOAT32 = "float32"
+MIXED = "mixed"
+HALF = "half"
+CONTAINER = "container"
+KEEP = "keep"
+
+
+# -- where a layer sits ---------------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class Place:
+    """What a rule may ask besides the layer: the settings and its place.
+
+    Attributes:
+        amp: the `AmpSettings` being applied.
+        model: the model `apply_amp` was given.
+        parent: the layer that calls this one (None for the model).
+        output: whether its outputs are the model's outputs.
+        inside_allowed: whether it sits inside an allow-listed layer (O1).
+        inside_denied: whether it sits inside a nested model named in `deny=`.
+    """
+
+    amp: object
+    model: object
+    parent: object = None
+    output: bool = False
+    inside_allowed: bool = False
+    inside_denied: bool = False
+
+
+# -- conditions: (layer, place) -> bool -----------------------------------------
+
+
+def layer_is(test):
+    """A condition from a test of the layer alone (`layer_kinds.py`)."""
+
+    def condition(layer, place):
+        return test(layer)
+
+    condition.__name__ = getattr(test, "__name__", "layer_is")
+    return condition
+
+
+def is_model_io(layer, place):
+    """A subclassed model that is the model, or one of its outputs: its
+    `call` is a forward pass, whose inputs and outputs are float32."""
+    return layer_tree.is_subclassed(layer) and (layer is place.model or place.output)
+
+
+def is_container(layer, place):
+    return layer_tree.is_container(layer)
+
+
+def is_output(layer, place):
+    return place.output
+
+
+def inside_allowed(layer, place):
+    return place.inside_allowed
+
+
+def on_allow_list(layer, place):
+    return matches(layer, ALLOW_LIST + place.amp.allow)
+
+
+def denied(layer, place):
+    """On the deny-list, the user's `deny=`, or a normalisation."""
+    return matches(layer, DENY_LIST + place.amp.deny) or is_normalization(layer)
+
+
+def not_denied(layer, place):
+    return not denied(layer, place)
+
+
+def user_denied(layer, place):
+    """Named in `deny=`, or inside a nested model that is (all of it float32)."""
+    return matches(layer, place.amp.deny) or place.inside_denied
+
+
+def not_user_allowed(layer, place):
+    """The user did not name it in `allow=` (which overrides the float32
+    rows for layers it names)."""
+    return not matches(layer, place.amp.allow)
+
+
+def router(layer, place):
+    return is_router(layer, place.parent)
+
+
+def attention_needs_float32_here(layer, place):
+    return is_attention(layer) and backends.current.half_attention_needs_float32(place.amp.half)
+
+
+def keep_batchnorm_fp32(layer, place):
+    return isinstance(layer, keras.layers.BatchNormalization) and place.amp.keep_batchnorm_fp32
+
+
+def computes(*computes):
+    """The level computes in half on these (`levels.Compute`)."""
+
+    def condition(layer, place):
+        return place.amp.compute in computes
+
+    condition.__name__ = f"computes({', '.join(c.name for c in computes)})"
+    return condition
+
+
+def in_float16_at(*computes_):
+    """float16 (not bfloat16) at a level that computes as `computes_`."""
+    at = computes(*computes_)
+
+    def condition(layer, place):
+        return place.amp.half == "float16" and at(layer, place)
+
+    condition.__name__ = f"in_float16_at({', '.join(c.name for c in computes_)})"
+    return condition
+
+
+def own_arithmetic_in_float32(layer, place):
+    """A composite layer of the user's at O2 in float16, not in `allow=`:
+    its own arithmetic (and a subclassed model's own `call`) in float32."""
+    return (
+        in_float16_at(Compute.DENY)(layer, place)
+        and runs_unknown_arithmetic(layer)
+        and not_user_allowed(layer, place)
+    )
+
+
+# -- the table ------------------------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class Rule:
+    """One row: when all of `when` hold, the layer gets `policy`, for `reason`.
+
+    `note`: called with the layer when the row applies (a one-time warning).
+    """
+
+    when: tuple
+    policy: str
+    reason: str
+    note: object = None
+
+
+_warned_jax_cpu_attention = False
+
+
+def _warn_jax_cpu_attention_once(layer):
+    global _warned_jax_cpu_attention
+    if _warned_jax_cpu_attention:
+        return
+    _warned_jax_cpu_attention = True
+    warnings.warn(
+        "keras_mp: JAX's CPU backend has no float16 x float16 -> float32 "
+        "matmul, which Keras's dot_product_attention needs; attention layers "
+        "(MultiHeadAttention, GroupedQueryAttention, KerasHub's) compute in "
+        "float32 here, their projections in float16. On a GPU they compute "
+        "in float16.",
+        stacklevel=5,
+    )
+
+
+_O1_O2 = (Compute.ALLOW, Compute.DENY)
+
+# Kept at every level, whatever the level or the layer's place: another
+# policy would change what they compute (`to_float` and a loaded model's
+# saved precision ask these rows too, `kept_reason`).
+KEPT = (
+    Rule((layer_is(quantized),), KEEP, "quantized ({policy}): kept"),
+    Rule((layer_is(computes_no_float),), KEEP, "{compute} outputs: kept"),
+)
+
+RULES = KEPT + (
+    # The model's structure.
+    Rule((is_model_io,), FLOAT32, "{level}: model, float32 inputs and outputs"),
+    # A nested model named in `deny=` is float32 through and through (an
+    # EMA copy of a network that its `train_step` assigns to).
+    Rule((is_container, user_denied), FLOAT32, "{level}: deny=, float32"),
+    Rule((is_container,), CONTAINER, "{level}: container"),
+    Rule((is_output,), FLOAT32, "model output: float32"),
+    # Exact at every level.
+    Rule(
+        (layer_is(of_class(*EXACT_PREPROCESSING)),),
+        FLOAT32,
+        "indices, counts and bins: float32 at every level",
+    ),
+    # Fixed statistics (`adapt`ed, not trained), converted to the compute
+    # dtype when built: in half they would change on every reload.
+    Rule(
+        (layer_is(of_class(keras.layers.Normalization)),),
+        FLOAT32,
+        "input statistics: float32 at every level",
+    ),
+    Rule((computes(Compute.NONE),), FLOAT32, "{level}: float32"),
+    # The user's `deny=` wins at every level, over the allow-list too.
+    Rule((user_denied,), FLOAT32, "{level}: deny=, float32"),
+    # What float16 cannot hold (above); `allow=` overrides.
+    Rule(
+        (in_float16_at(*_O1_O2), layer_is(MASKS_WITH_1E9), not_user_allowed),
+        FLOAT32,
+        "{level}: masks with -1e9, own arithmetic in float32",
+    ),
+    Rule(
+        (in_float16_at(*_O1_O2), layer_is(EPS_1E12), not_user_allowed),
+        FLOAT32,
+        "{level}: normalizes with eps 1e-12 (0 in float16), own arithmetic in float32",
+    ),
+    Rule(
+        (in_float16_at(*_O1_O2), layer_is(OWN_L2_NORM), not_user_allowed),
+        FLOAT32,
+        "{level}: L2-normalizes in its own code (rsqrt's gradient overflows float16), "
+        "own arithmetic in float32",
+    ),
+    Rule(
+        (attention_needs_float32_here,),
+        FLOAT32,
+        "{level}: attention on JAX's CPU, float32 (no float16 dot there)",
+        note=_warn_jax_cpu_attention_once,
+    ),
+    # Mixture of experts: the router, and the routing, in float32.
+    Rule((router, not_user_allowed), FLOAT32, "{level}: expert router, float32"),
+    Rule(
+        (computes(Compute.DENY, Compute.ALL), layer_is(routes_experts), not_user_allowed),
+        FLOAT32,
+        "{level}: expert routing in float32 (experts in half)",
+    ),
+    # A composite layer of the user's, at O2 in float16.
+    Rule(
+        (own_arithmetic_in_float32,),
+        FLOAT32,
+        "{level}: own arithmetic in float32 (your layer; allow= for half)",
+    ),
+    # O1: the allow-list, and what is inside it but for the deny-list.
+    Rule((computes(Compute.ALLOW), on_allow_list), MIXED, "{level} allow-list"),
+    Rule(
+        (computes(Compute.ALLOW), inside_allowed, not_denied),
+        MIXED,
+        "{level}: inside an allow-listed layer",
+    ),
+    Rule((computes(Compute.ALLOW), inside_allowed), FLOAT32, "{level} deny-list"),
+    Rule((computes(Compute.ALLOW),), FLOAT32, "{level}: not on the allow-list"),
+    # O2: all but the deny-list.
+    Rule((computes(Compute.DENY), denied), FLOAT32, "{level} deny-list"),
+    Rule((computes(Compute.DENY),), MIXED, "{level}: half compute, float32 variables"),
+    # O3: everything.
+    Rule((keep_batchnorm_fp32,), FLOAT32, "{level}: keep_batchnorm_fp32=True"),
+    Rule((), HALF, "{level}: half everywhere"),
+)
+
+
+def decide(layer, place, rules=RULES):
+    """(policy name or None, reason) for `layer`: the first row that holds.
+
+    None keeps the layer's own policy (`KEEP`).
+    """
+    rule = first_rule(layer, place, rules)
+    if rule.note is not None:
+        rule.note(layer)
+    return _policy(rule.policy, place.amp), _reason(rule.reason, layer, place.amp)
+
+
+def first_rule(layer, place, rules=RULES):
+    """The row of `rules` that decides for `layer`."""
+    for rule in rules:
+        if all(condition(layer, place) for condition in rule.when):
+            return rule
+    raise AssertionError("the last rule holds for every layer")  # pragma: no cover
+
+
+def kept_reason(layer):
+    """Why `layer` keeps its own policy at every level, or None."""
+    for rule in KEPT:
+        if all(condition(layer, None) for condition in rule.when):
+            return _reason(rule.reason, layer, None)
+    return None
+
+
+def _policy(policy, amp):
+    return {
+        FLOAT32: "float32",
+        MIXED: amp.mixed,
+        HALF: amp.half,
+        CONTAINER: amp.container_policy,
+        KEEP: None,
+    }[policy]
+
+
+def _reason(reason, layer, amp):
+    return reason.format(
+        level=getattr(amp, "name", ""),
+        policy=layer.dtype_policy.name,
+        compute=keras.backend.standardize_dtype(layer.compute_dtype),
+    )

@@ -1,0 +1,180 @@
+"""Serving a mixed-precision model: export a copy in the precision it is served in.
+
+A model trained at O1/O2/O3 exports as it is with `model.export(path)`: its
+inputs and outputs are float32 (keras_mp keeps the model's outputs float32 at
+every level), so the serving signature takes and returns float32. What that
+artifact computes is the training precision, though: float16 kernels, which a
+CPU runs one to two orders of magnitude slower than float32. `export` writes a
+copy of the model re-traced in the precision it will be served in, without
+touching the model being trained.
+"""
+
+import contextlib
+import logging
+import warnings
+
+import keras
+
+from keras_mp._src import backends
+from keras_mp._src import keras_internals
+from keras_mp._src.precision.policies import apply_amp
+from keras_mp._src.precision.policies import check_model
+
+SERVING_DTYPES = ("float32", "float16", "bfloat16")
+
+
+def _check_dtype(dtype):
+    name = getattr(dtype, "name", dtype)
+    if name not in SERVING_DTYPES:
+        raise ValueError(
+            f"`dtype` must be one of {', '.join(SERVING_DTYPES)} (the precision "
+            f"the exported model computes in). Received: dtype={dtype!r}"
+        )
+    return name
+
+
+def serving_copy(model, dtype="float32"):
+    """A copy of `model` computing in `dtype`, with the same weights.
+
+    - `"float32"`: every layer computes in float32 with float32 variables (the
+      `O0` level): full speed on a CPU.
+    - `"float16"` / `"bfloat16"`: every layer computes in half with half
+      variables, BatchNorm kept in float32 (`O3` with
+      `keep_batchnorm_fp32=True`): half the memory for GPU (or bfloat16 CPU)
+      serving.
+
+    Inputs and outputs stay float32 in every case. The copy has no optimizer
+    and is not compiled; `model` itself is not changed.
+
+    Args:
+        model: a built `keras.Model` (Sequential, functional or subclassed).
+        dtype: `"float32"`, `"float16"` or `"bfloat16"`.
+
+    Returns:
+        A new `keras.Model`.
+    """
+    check_model(model)
+    if not isinstance(model, keras.Model):
+        raise TypeError(
+            "`model` must be a `keras.Model`. Received: "
+            f"model={model!r} of type {type(model).__name__}"
+        )
+    dtype = _check_dtype(dtype)
+    if not model.built:
+        raise ValueError(
+            f"`model` must be built before it is exported (call it on a batch "
+            f"of data, or `fit` it). Received: model={model.name!r}, unbuilt"
+        )
+    with warnings.catch_warnings():
+        # Keras warns about lambdas in the compile config, dropped just below.
+        warnings.simplefilter("ignore", UserWarning)
+        config = keras.saving.serialize_keras_object(model)
+    # A copy for serving: no optimizer, no loss, no amp compile.
+    config.pop("compile_config", None)
+    # The model's own classes, registered with Keras or not.
+    classes = {}
+    for layer in keras_internals.all_layers(model):
+        cls = type(layer)
+        classes[cls.__name__] = cls
+        classes[keras.saving.get_registered_name(cls)] = cls
+    copy = keras.saving.deserialize_keras_object(config, custom_objects=classes)
+    if not copy.built:
+        raise ValueError(
+            f"Could not rebuild a copy of model {model.name!r} from its config "
+            "to export it. Give its class a `build` method (or a "
+            "`build_config`) so that Keras can rebuild it."
+        )
+    _copy_weights(model, copy)
+    if dtype == "float32":
+        apply_amp(copy, "O0")
+    else:
+        apply_amp(copy, "O3", dtype, keep_batchnorm_fp32=True)
+    return copy
+
+
+def _copy_weights(source, target):
+    source_weights, target_weights = source.weights, target.weights
+    shapes = [tuple(w.shape) for w in source_weights]
+    if shapes != [tuple(w.shape) for w in target_weights]:
+        raise ValueError(
+            f"The copy of model {source.name!r} rebuilt from its config does "
+            "not have the same weights as the model (its `get_config` does not "
+            "describe it fully), so it cannot be exported in another dtype. "
+            f"Model weights: {shapes}; copy: "
+            f"{[tuple(w.shape) for w in target_weights]}"
+        )
+    for s, t in zip(source_weights, target_weights):
+        t.assign(keras.ops.cast(s.value, t.dtype))
+
+
+def export(
+    model,
+    filepath,
+    dtype="float32",
+    format="tf_saved_model",
+    verbose=None,
+    input_signature=None,
+    **kwargs,
+):
+    """Exports `model` for serving, computing in `dtype`.
+
+    A model trained in float16 on a GPU can be served at full speed on a CPU
+    (`dtype="float32"`, the default), or in half precision on a GPU
+    (`"float16"`, `"bfloat16"`). The exported copy takes and returns float32
+    in every case; the model being trained is not changed.
+
+    `model.export(path)` also works on keras_mp models: it serves the model
+    in the precision it was trained in.
+
+    Args:
+        model: a built `keras.Model`.
+        filepath: where to write the artifact (as `keras.Model.export`).
+        dtype: `"float32"` (default), `"float16"` or `"bfloat16"`; see
+            `serving_copy`.
+        format: as `keras.Model.export` (default `"tf_saved_model"`).
+        verbose, input_signature, **kwargs: passed to `keras.Model.export`.
+
+    Raises:
+        NotImplementedError: a TensorFlow SavedModel from the PyTorch backend,
+            which Keras cannot export without `torch_xla`.
+    """
+    check_model(model)
+    _check_dtype(dtype)
+    if format == "tf_saved_model" and not backends.current.EXPORTS_SAVED_MODEL:
+        raise NotImplementedError(
+            "keras_mp.export: Keras cannot export a TensorFlow SavedModel from "
+            "the PyTorch backend on this machine (it needs `torch_xla`). Save "
+            "the model with `model.save('model.keras')`, then in a process "
+            "with KERAS_BACKEND=tensorflow (or jax): "
+            "`keras_mp.export(keras.models.load_model('model.keras'), path)`. "
+            "Received: format='tf_saved_model' on the torch backend"
+        )
+    copy = serving_copy(model, dtype)
+    if input_signature is None and format == "tf_saved_model":
+        # The model's own inputs (float32), read off the model that was
+        # called; a subclassed copy rebuilt from its config has not been.
+        input_signature = keras_internals.get_input_signature(model)
+    with _quiet_tensorflow_logs(verbose is False):
+        return copy.export(
+            filepath,
+            format=format,
+            verbose=verbose,
+            input_signature=input_signature,
+            **kwargs,
+        )
+
+
+@contextlib.contextmanager
+def _quiet_tensorflow_logs(quiet):
+    """`verbose=False` silences TensorFlow's INFO lines ("Assets written to")
+    too, which a notebook (or a program that logs at INFO) would show."""
+    if not quiet:
+        yield
+        return
+    logger = logging.getLogger("tensorflow")
+    level = logger.level
+    logger.setLevel(max(level, logging.WARNING))
+    try:
+        yield
+    finally:
+        logger.setLevel(level)

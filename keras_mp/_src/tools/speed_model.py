@@ -1,0 +1,164 @@
+"""The speed report's model of a step: per layer, at a level, its work,
+casts and bytes (`account`), the step's memory (`memory`), and its time on
+a GPU as a roofline per layer (`step_seconds`). `speed_report.py` turns
+them into the table, the bound and the advice."""
+
+import dataclasses
+
+import keras
+
+from keras_mp._src import keras_internals
+from keras_mp._src.precision import layer_tree
+from keras_mp._src.precision.levels import HALF_DTYPES
+from keras_mp._src.precision.policies import decide_all
+from keras_mp._src.tools import speed_trace
+
+_BYTES = {"float16": 2, "bfloat16": 2, "float32": 4, "float64": 8}
+
+
+def _bytes(dtype):
+    return _BYTES.get(keras.backend.standardize_dtype(dtype), 4)
+
+
+@dataclasses.dataclass
+class Account:
+    """A layer's share of the step at one precision."""
+
+    layer: object
+    dtype: str
+    reason: str = ""
+    flops: int = 0
+    dims: list = dataclasses.field(default_factory=list)
+    casts: int = 0
+    cast_bytes: int = 0
+    moved: int = 0  # bytes its calls read and write, forward and backward
+    kept: int = 0  # bytes of its outputs kept for the backward pass
+
+
+def slots_of(model):
+    optimizer = getattr(model, "optimizer", None)
+    inner = getattr(optimizer, "inner_optimizer", optimizer)
+    if isinstance(inner, keras.optimizers.SGD):
+        return 1 if inner.momentum else 0
+    return 2  # Adam, AdamW and most others
+
+
+def accounts_at(model, calls, amp):
+    """Per layer (in the order they first ran): work, casts and bytes at `amp`."""
+    compute, reasons, policies = {}, {}, {}
+    for layer, (policy_name, reason) in decide_all(model, amp):
+        policy = keras.dtype_policies.get(policy_name) if policy_name else layer.dtype_policy
+        compute[id(layer)] = keras.backend.standardize_dtype(policy.compute_dtype)
+        reasons[id(layer)] = reason
+        policies[id(layer)] = policy
+    parents = {id(layer): parent for layer, parent in layer_tree.tree(model)}
+    produced = {}  # tensor id -> the dtype it has at `amp`
+    accounts = {}
+    for call in calls:
+        layer = call.layer
+        dtype = compute.get(id(layer), "float32")
+        entry = accounts.setdefault(id(layer), Account(layer, dtype, reasons.get(id(layer), "")))
+        work = speed_trace.work(call)
+        entry.flops += work.flops
+        entry.dims = list(work.dims)
+        # A tensor no layer returned was made by its caller's own arithmetic
+        # (or is a model input: float32).
+        context = _caller_dtype(layer, parents, compute, amp, model) or "float32"
+        for shape, _, tensor in call.inputs:
+            size = numel(shape)
+            source = produced.get(tensor, context)
+            entry.moved += 3 * size * _bytes(dtype)
+            if source != dtype:
+                entry.casts += 2  # forward, and the gradient's back
+                entry.cast_bytes += 2 * size * (_bytes(source) + _bytes(dtype))
+        # Its weights: read forward and backward, a gradient written; where
+        # they are kept in another dtype (O1/O2's float32), cast both ways.
+        policy = policies.get(id(layer), layer.dtype_policy)
+        for variable in keras_internals.own_trainable_variables(layer):
+            size = numel(variable.shape)
+            entry.moved += 3 * size * _bytes(dtype)
+            kept_in = _variable_dtype(layer, variable, policy)
+            if keras.backend.is_float_dtype(kept_in) and kept_in != dtype:
+                entry.casts += 2
+                entry.cast_bytes += 2 * size * (_bytes(kept_in) + _bytes(dtype))
+        returned = _returned_dtype(layer, dtype, parents, compute, amp, model)
+        for shape, _, tensor in call.outputs:
+            size = numel(shape)
+            entry.moved += 3 * size * _bytes(dtype)
+            entry.kept += size * _bytes(dtype)
+            produced[tensor] = returned
+            if returned != dtype:
+                entry.casts += 2
+                entry.cast_bytes += 2 * size * (_bytes(dtype) + _bytes(returned))
+    return accounts
+
+
+def _caller_dtype(layer, parents, compute, amp, model):
+    """The dtype of the arithmetic of the layer that calls `layer`, when that
+    layer runs its own `call`; None inside Sequential and functional models."""
+    parent = parents.get(id(layer))
+    if parent is None or layer_tree.is_graph(parent):
+        return None
+    if parent is model and layer_tree.is_subclassed(model):
+        return amp.inner_dtype
+    return compute.get(id(parent))
+
+
+def _returned_dtype(layer, dtype, parents, compute, amp, model):
+    """What a call returns to its caller: inside a layer that runs its own
+    `call`, the caller's dtype (the boundary rule); else its own."""
+    return _caller_dtype(layer, parents, compute, amp, model) or dtype
+
+
+def numel(shape):
+    size = 1
+    for d in shape:
+        size *= d
+    return size
+
+
+def _variable_dtype(layer, variable, policy):
+    """A variable's dtype under `policy`: the policy's variable dtype, unless
+    it has a dtype of its own (integer counters, LoRA's float32)."""
+    own = keras.backend.standardize_dtype(variable.dtype)
+    if keras.backend.is_float_dtype(own) and own == keras.backend.standardize_dtype(
+        layer.dtype_policy.variable_dtype
+    ):
+        return keras.backend.standardize_dtype(policy.variable_dtype)
+    return own
+
+
+def memory(model, amp, slots, replicas, shard, accounts):
+    """Bytes of weights, optimizer state and kept activations at `amp`."""
+    weights = optimizer = 0
+    for layer, (policy_name, _) in decide_all(model, amp):
+        policy = keras.dtype_policies.get(policy_name) if policy_name else layer.dtype_policy
+        for variable in keras_internals.own_variables(layer):
+            dtype = _variable_dtype(layer, variable, policy)
+            size = numel(variable.shape)
+            weights += size * _bytes(dtype)
+            if not variable.trainable:
+                continue
+            state = slots * size * 4  # slots are float32 (master copies' at O3)
+            if dtype in HALF_DTYPES:
+                state += size * 4  # the float32 master copy
+            optimizer += state / replicas if shard else state
+    return {
+        "weights": weights,
+        "optimizer": int(optimizer),
+        "activations": sum(a.kept for a in accounts.values()),
+    }
+
+
+def layer_seconds(account, peaks, tf32):
+    aligned = not speed_trace.misaligned(account.dims)
+    rate = peaks.matmul_rate(account.dtype, tf32=tf32, aligned=aligned)
+    return max(3 * account.flops / rate, account.moved / peaks.bandwidth)
+
+
+def step_seconds(accounts, bytes_, peaks, tf32):
+    layers = sum(layer_seconds(a, peaks, tf32) for a in accounts.values())
+    casts = sum(a.cast_bytes for a in accounts.values()) / peaks.bandwidth
+    # The update reads and writes weights and state, and reads the gradients.
+    update = (3 * bytes_["weights"] + 2 * bytes_["optimizer"]) / peaks.bandwidth
+    return layers + casts + update

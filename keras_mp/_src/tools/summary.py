@@ -1,0 +1,86 @@
+"""`precision_summary`: who computes in what, and the rule that said so."""
+
+import dataclasses
+
+import keras
+
+from keras_mp._src.model import wrapping
+from keras_mp._src.precision import fallback
+from keras_mp._src.precision import layer_tree
+from keras_mp._src.precision.policies import check_model
+from keras_mp._src.precision.policies import rule_of
+from keras_mp._src.tools import table
+
+
+@dataclasses.dataclass(frozen=True, repr=False)
+class PrecisionSummary(table.Report):
+    """`precision_summary`'s table (`.text`, or print it) and its `.rows`;
+    `.optimizers`: one dict per optimizer the model holds (`optimizer`,
+    `class`, `settings`)."""
+
+    optimizers: list = dataclasses.field(default_factory=list)
+
+
+def precision_summary(model, print_fn=None):
+    """A per-layer table: compute dtype, variable dtype, and the rule that set it.
+
+    Args:
+        model: a Keras model or layer.
+        print_fn: optional callable given the text (e.g. `print`).
+
+    Returns:
+        A `PrecisionSummary`: print it for the table (`.text`); `.rows` is
+        a list of dicts with keys `layer`, `class`, `compute_dtype`,
+        `variable_dtype`, `policy` and `rule`.
+    """
+    check_model(model)
+    rows = []
+    for layer in layer_tree.layers_in_order(model):
+        policy = layer.dtype_policy
+        rule = rule_of(layer)
+        fell_back = fallback.fell_back(layer)
+        rows.append(
+            {
+                "layer": layer.path if getattr(layer, "path", None) else layer.name,
+                "class": type(layer).__name__,
+                "compute_dtype": "float32" if fell_back else policy.compute_dtype,
+                "variable_dtype": policy.variable_dtype,
+                "policy": policy.name,
+                "rule": f"{rule}; {fell_back}" if fell_back else rule,
+            }
+        )
+    columns = ("layer", "class", "compute_dtype", "variable_dtype", "rule")
+    headers = ("Layer", "Class", "Compute", "Variables", "Rule")
+    cells = [[str(r[c]) for c in columns] for r in rows]
+    lines = table.render(headers, cells, width=None)
+    optimizers = _optimizer_rows(model)
+    if optimizers:
+        lines += [""] + table.render(
+            ("Optimizer", "Class", "Settings"),
+            [[o["optimizer"], o["class"], o["settings"]] for o in optimizers],
+            width=None,
+        )
+    summary = PrecisionSummary("\n".join(lines), rows, optimizers)
+    if print_fn is not None:
+        print_fn(summary.text)
+    return summary
+
+
+def _optimizer_rows(model):
+    """One row per optimizer the model holds, with what keras_mp gave it."""
+    if not isinstance(model, keras.Model):
+        return []
+    rows = []
+    for label, _, optimizer, holder, _ in wrapping.find_optimizers(model):
+        half = wrapping.has_half_variables(holder)
+        if isinstance(optimizer, keras.optimizers.LossScaleOptimizer) and hasattr(
+            optimizer, "config"
+        ):
+            inner = type(optimizer.inner_optimizer).__name__
+            settings = wrapping.describe(optimizer, half)
+            name = f"LossScaleOptimizer({inner})"
+        else:
+            name = type(optimizer).__name__
+            settings = "as given (no keras_mp loss scale, skip or master weights)"
+        rows.append({"optimizer": label, "class": name, "settings": settings})
+    return rows

@@ -1,0 +1,58 @@
+"""Walks of the layer tree: parents first in the order layers were added,
+each layer once, and the layers whose outputs are the model's outputs."""
+
+import keras
+import numpy as np
+
+from keras_mp._src.precision import layer_tree
+
+
+def _nested():
+    inner = keras.Sequential(
+        [keras.layers.Dense(4, name="first"), keras.layers.ReLU(name="second")], name="inner"
+    )
+    inputs = keras.Input((3,))
+    shared = keras.layers.Dense(4, name="shared")
+    a = inner(shared(inputs))
+    b = keras.layers.Dense(2, name="head_a")(a)
+    c = keras.layers.Dense(1, name="head_b")(shared(inputs))  # `shared` called twice
+    return keras.Model(inputs, [b, c], name="outer"), inner, shared
+
+
+def _names(layers):
+    return [layer.name for layer in layers if not isinstance(layer, keras.layers.InputLayer)]
+
+
+def test_layers_in_order_lists_each_layer_once_parents_first():
+    model, inner, shared = _nested()
+    names = _names(layer_tree.layers_in_order(model))
+    assert names == ["outer", "shared", "inner", "first", "second", "head_a", "head_b"]
+    parents = {layer.name: parent for layer, parent in layer_tree.tree(model)}
+    assert parents["outer"] is None
+    assert parents["first"] is inner and parents["inner"] is model
+    assert parents["shared"] is model
+
+
+def test_output_layers_of_a_functional_model_reach_into_nested_models():
+    model, inner, _ = _nested()
+    assert _names(layer_tree.output_layers(model)) == ["head_a", "head_b"]
+    outputs = keras.Model(model.inputs, inner(model.get_layer("shared").output))
+    assert _names(layer_tree.output_layers(outputs)) == ["second"]  # inside `inner`
+
+
+def test_output_layers_of_a_subclassed_model_are_it_and_the_models_it_holds():
+    class Holder(keras.Model):
+        def __init__(self):
+            super().__init__(name="holder")
+            self.generator = keras.Sequential([keras.layers.Dense(2, name="g_out")])
+            self.critic = keras.layers.Dense(1, name="critic")
+
+        def call(self, x):
+            return self.critic(self.generator(x))
+
+    holder = Holder()
+    holder(np.ones((1, 3), "float32"))
+    assert _names(layer_tree.output_layers(holder)) == ["holder", "g_out"]
+    assert layer_tree.is_subclassed(holder) and not layer_tree.is_graph(holder)
+    assert layer_tree.is_graph(holder.generator) and layer_tree.is_container(holder.generator)
+    assert layer_tree.has_sublayers(holder) and not layer_tree.has_sublayers(holder.critic)

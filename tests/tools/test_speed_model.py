@@ -1,0 +1,50 @@
+"""The speed report's model of a step (`speed_model.py`): a layer's roofline
+and the step's bytes, against arithmetic done here."""
+
+import keras
+import numpy as np
+
+from keras_mp._src.precision import amp_settings
+from keras_mp._src.tools import gpu_peaks
+from keras_mp._src.tools import speed_model
+from keras_mp._src.tools import speed_trace
+
+
+def _model(units):
+    """A hidden Dense `d` (half at O2/O3) and a float32 output layer."""
+    return keras.Sequential(
+        [keras.Input((1024,)), keras.layers.Dense(units, name="d"), keras.layers.Dense(8)],
+        name="s",
+    )
+
+
+def _accounts(model, batch, level, dtype="float16"):
+    calls = speed_trace.trace(model, np.zeros((batch, 1024), "float32"))
+    amp = amp_settings.for_layers(level, dtype)
+    return amp, speed_model.accounts_at(model, calls, amp)
+
+
+def test_a_big_matmul_is_bound_by_its_flops_a_small_one_by_its_bytes():
+    peaks = gpu_peaks.peaks_of("H100")
+    for batch, bound_by in ((4096, "flops"), (8, "bytes")):
+        model = _model(4096)
+        _, accounts = _accounts(model, batch, "O2")
+        (entry,) = [a for a in accounts.values() if a.layer.name == "d"]
+        flops_s = 3 * entry.flops / peaks.matmul_rate("float16")
+        bytes_s = entry.moved / peaks.bandwidth
+        assert speed_model.layer_seconds(entry, peaks, tf32=True) == max(flops_s, bytes_s)
+        assert (flops_s > bytes_s) == (bound_by == "flops"), (batch, flops_s, bytes_s)
+
+
+def test_memory_counts_weights_slots_and_master_copies():
+    model = _model(256)
+    hidden, out = 1024 * 256 + 256, 256 * 8 + 8
+    for level, hidden_weight, hidden_state in (("O0", 4, 2 * 4), ("O3", 2, 2 * 4 + 4)):
+        amp, accounts = _accounts(model, 8, level, "bfloat16")
+        got = speed_model.memory(model, amp, 2, 1, False, accounts)
+        assert got["weights"] == hidden_weight * hidden + 4 * out
+        assert got["optimizer"] == hidden_state * hidden + 2 * 4 * out
+        half = 4 if level == "O0" else 2
+        assert got["activations"] == 8 * 256 * half + 8 * 8 * 4
+        sharded = speed_model.memory(model, amp, 2, 4, True, accounts)
+        assert sharded["optimizer"] == got["optimizer"] // 4
