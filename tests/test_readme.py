@@ -31,6 +31,7 @@ def _readme_blocks():
     return dict(re.findall(r"<!-- custom-loop: (\w+) -->\n```python\n(.*?)\n```", _readme(), re.S))
 
 
+@pytest.mark.floor
 def test_quickstart_runs_as_pasted(capsys):
     (code,) = re.findall(r"<!-- quickstart -->\n```python\n(.*?)\n```", _readme(), re.S)
     namespace = {}
@@ -41,7 +42,9 @@ def test_quickstart_runs_as_pasted(capsys):
     assert model.layers[1].compute_dtype == "float32"  # BatchNormalization
     assert model.layers[0].kernel.dtype == "float32"
     out = capsys.readouterr().out
-    assert re.search(r"loss_scale: \d+ - skipped_steps: 0\b", out), out[-500:]
+    # (Whole numbers, `loss_scale: 32768 - skipped_steps: 0`, where Keras's bar
+    # keeps the value's type: test_callbacks.py; Keras 3.10 prints 32768.0000.)
+    assert re.search(r"loss_scale: 32768(\.0+)? - skipped_steps: 0\b", out), out[-500:]
     assert "Compute" in out and "O2 deny-list" in out  # the summary printed
 
 
@@ -76,6 +79,7 @@ def example():
     return runpy.run_path(EXAMPLE, run_name="custom_training_loop")
 
 
+@pytest.mark.floor
 def test_example_loop_trains_and_skips_its_nan_batch(example):
     losses, scale, skipped, applied = example["main"]()  # 60 steps, a NaN at step 30
     assert skipped == 1 and applied == 59
