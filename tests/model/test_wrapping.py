@@ -8,6 +8,7 @@ References: the same code at O0 (float32), and Keras's own behaviour (a
 bare Adam on bfloat16 weights never moves them).
 """
 
+import functools
 import warnings
 
 import keras
@@ -328,6 +329,13 @@ def _ff_fit(level, dtype, x, y, **kwargs):
     return model, before, history.history, told
 
 
+@functools.lru_cache(maxsize=None)
+def _ff_o0_losses():
+    """The float32 run every level is compared with (one per process)."""
+    x, y = keras_io.digits()
+    return tuple(_ff_fit("O0", "float16", x, y, epochs=3)[2]["FinalLoss"])
+
+
 @needs_stateful_fit
 @pytest.mark.parametrize(
     "level, dtype, dynamic, masters",
@@ -345,7 +353,7 @@ def test_each_layers_own_optimizer_is_wrapped_named_and_trains(level, dtype, dyn
     Now each is wrapped as its layer's precision needs, logged under its
     layer's name, listed by precision_summary, and learns as float32 does."""
     x, y = keras_io.digits()
-    _, _, reference, _ = _ff_fit("O0", "float16", x, y, epochs=3)
+    reference = {"FinalLoss": _ff_o0_losses()}
     model, before, logs, told = _ff_fit(level, dtype, x, y, epochs=3)
     summary = keras_mp.precision_summary(model)
     rows = {row["optimizer"]: row for row in summary.optimizers}
@@ -500,7 +508,7 @@ def test_keras_io_wgan_gp_trains_as_written(level, dtype):
 
 
 @pytest.mark.skipif(BACKEND != "tensorflow", reason="keras-io's CycleGAN: TensorFlow")
-@pytest.mark.parametrize("level, dtype", [("O2", "float16"), ("O3", "bfloat16")])
+@pytest.mark.parametrize("level, dtype", [("O2", "float16")])
 def test_keras_io_cyclegan_trains_its_four_networks_as_written(level, dtype):
     """Four optimizers in one `compile` of its own, one persistent tape, a
     padding layer of its own (`tf.pad`): each optimizer wrapped and logged,

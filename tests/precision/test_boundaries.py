@@ -1,6 +1,8 @@
 """The boundary rule: the dtype a layer returns to its caller, and a model's
 float32 inputs and outputs."""
 
+import functools
+
 import keras
 import numpy as np
 import pytest
@@ -112,6 +114,25 @@ def test_what_a_models_own_code_calls_returns_float32_in_both_half_dtypes(level,
         ), held.name
 
 
+def _ddim_fit(**amp):
+    """keras-io's DDIM, 3 epochs: the model, its noise losses, what was said."""
+    import warnings
+
+    from tests import keras_io
+
+    model, x = keras_io.ddim()
+    keras_io.compile_ddim(model, **amp)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        history = model.fit(x, epochs=3, batch_size=keras_io.DDIM_BATCH, verbose=0)
+    return model, history.history["n_loss"], [str(w.message) for w in caught]
+
+
+@functools.lru_cache(maxsize=None)
+def _ddim_o0_losses():
+    return tuple(_ddim_fit()[1])
+
+
 @pytest.mark.skipif(keras.backend.backend() != "tensorflow", reason="keras-io's DDIM: TensorFlow")
 @pytest.mark.parametrize(
     "level, dtype", [("O2", "float16"), ("O2", "bfloat16"), ("O3", "bfloat16")]
@@ -125,20 +146,9 @@ def test_ddim_trains_as_written_in_both_half_dtypes(level, dtype):
     O2 in float16 the Lambda failed the same way. Now the normalizer returns
     float32 to the step, the Lambda computes in float32 (named once), and
     the losses follow the O0 float32 run's."""
-    import warnings
 
-    from tests import keras_io
-
-    def run(**amp):
-        model, x = keras_io.ddim()
-        keras_io.compile_ddim(model, **amp)
-        with warnings.catch_warnings(record=True) as caught:
-            warnings.simplefilter("always")
-            history = model.fit(x, epochs=3, batch_size=keras_io.DDIM_BATCH, verbose=0)
-        return model, history.history["n_loss"], [str(w.message) for w in caught]
-
-    _, reference, _ = run()
-    model, losses, told = run(amp_level=level, amp_dtype=dtype)
+    reference = _ddim_o0_losses()
+    model, losses, told = _ddim_fit(amp_level=level, amp_dtype=dtype)
     (embedding,) = [
         layer for layer in model.network.layers if isinstance(layer, keras.layers.Lambda)
     ]

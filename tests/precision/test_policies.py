@@ -397,14 +397,21 @@ def _o0_losses(second_compile):
     return tuple(_transfer_learning("O0", "float16", second_compile)[3])
 
 
+# The recast `tf.Variable` kept a frozen layer's flag on TensorFlow only: the
+# other backends, which never failed, run a cell at O2 and one at O3.
+_TF_ONLY = pytest.mark.skipif(
+    keras.backend.backend() != "tensorflow", reason="the cells of TensorFlow's bug"
+)
+
+
 @pytest.mark.parametrize(
     "level, dtype, second_compile",
     [
         ("O3", "bfloat16", "amp"),
-        ("O3", "bfloat16", "plain"),
-        ("O3", "bfloat16", "no fit between"),
+        pytest.param("O3", "bfloat16", "plain", marks=_TF_ONLY),
+        pytest.param("O3", "bfloat16", "no fit between", marks=_TF_ONLY),
         ("O2", "float16", "amp"),
-        ("O1", "bfloat16", "amp"),
+        pytest.param("O1", "bfloat16", "amp", marks=_TF_ONLY),
     ],
 )
 def test_a_base_unfrozen_after_the_level_was_set_fine_tunes(level, dtype, second_compile):
