@@ -7,29 +7,20 @@ single-device run on the same global batches (see the worker's docstring).
 """
 
 import os
-import subprocess
-import sys
 
 import keras
 import pytest
 
+from tests import processes
+
 BACKEND = keras.backend.backend()
 WORKER = os.path.join(os.path.dirname(__file__), "distributed_worker.py")
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # The names of the worker's `LEVELS` (it configures devices at import).
 LEVELS = ("O0", "O2", "O3", "O3-compensated")
 
 
 def _run(scenario, backend):
-    # This checkout first, and whatever path the caller set up after it.
-    path = os.pathsep.join(p for p in (ROOT, os.environ.get("PYTHONPATH")) if p)
-    env = dict(os.environ, KERAS_BACKEND=backend, PYTHONPATH=path)
-    env.pop("TF_CONFIG", None)
-    result = subprocess.run(
-        [sys.executable, WORKER, scenario], env=env, capture_output=True, text=True, timeout=480
-    )
-    assert result.returncode == 0, (result.stdout[-2000:], result.stderr[-6000:])
-    return result.stdout
+    return processes.run_scenario(WORKER, scenario, backend)
 
 
 @pytest.mark.skipif(BACKEND != "tensorflow", reason="tf.distribute")
@@ -98,30 +89,7 @@ def test_two_jax_processes_make_one_skip_decision_and_keep_one_set_of_weights():
     collectives over gloo), one device each, under `DataParallel`; only
     process 0 sees the NaN. Each checks itself against one device trained on
     the global batches; here, both must report the same state and weights."""
-    import json
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("localhost", 0))
-        port = str(s.getsockname()[1])
-    path = os.pathsep.join(p for p in (ROOT, os.environ.get("PYTHONPATH")) if p)
-    env = dict(os.environ, KERAS_BACKEND="jax", PYTHONPATH=path)
-    processes = [
-        subprocess.Popen(
-            [sys.executable, WORKER, "jax_two_processes", str(i), port],
-            env=env,
-            stdout=subprocess.PIPE,
-            stderr=subprocess.PIPE,
-            text=True,
-        )
-        for i in (0, 1)
-    ]
-    outputs = []
-    for process in processes:
-        out, err = process.communicate(timeout=480)
-        assert process.returncode == 0, (out[-2000:], err[-6000:])
-        outputs.append([json.loads(line) for line in out.splitlines() if line.startswith("{")])
-    first, second = outputs
+    first, second = processes.run_side_by_side(WORKER, "jax_two_processes", "jax")
     assert [r["level"] for r in first] == ["O2", "O3"]
     for a, b in zip(first, second):
         assert (a["process"], b["process"]) == (0, 1)

@@ -9,9 +9,6 @@ must still move the statistics (so the guard cannot just always restore).
 """
 
 import os
-import socket
-import subprocess
-import sys
 
 import hypothesis
 import hypothesis.strategies as st
@@ -20,11 +17,11 @@ import numpy as np
 import pytest
 
 import keras_mp
+from tests import processes
 
 BACKEND = keras.backend.backend()
 TESTS = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 WORKER = os.path.join(TESTS, "custom_loop_worker.py")
-ROOT = os.path.dirname(TESTS)
 
 
 def _bn_model(level, dtype):
@@ -158,23 +155,8 @@ def test_stateless_apply_refuses_a_pair_that_is_not_before_and_after(pair):
 # -- keras-io's distributed guides, in processes of their own -----------------------
 
 
-def _env(backend):
-    path = os.pathsep.join(p for p in (ROOT, os.environ.get("PYTHONPATH")) if p)
-    env = dict(os.environ, KERAS_BACKEND=backend, PYTHONPATH=path)
-    env.pop("TF_CONFIG", None)
-    return env
-
-
 def _run(scenario, backend):
-    result = subprocess.run(
-        [sys.executable, WORKER, scenario],
-        env=_env(backend),
-        capture_output=True,
-        text=True,
-        timeout=480,
-    )
-    assert result.returncode == 0, (result.stdout[-2000:], result.stderr[-6000:])
-    return result.stdout
+    return processes.run_scenario(WORKER, scenario, backend)
 
 
 @pytest.mark.skipif(BACKEND != "tensorflow", reason="tf.distribute")
@@ -196,27 +178,7 @@ def test_ddp_loop_on_two_processes_keeps_batchnorm_statistics_and_one_set_of_wei
     """Two gloo ranks on 127.0.0.1; only rank 0's half of one batch has a
     NaN. Each rank checks its own skip in-process; both must report the
     same weights (DDP's all-reduced gradients, one skip decision)."""
-    import json
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = str(s.getsockname()[1])
-    processes = [
-        subprocess.Popen(
-            [sys.executable, WORKER, "torch_ddp", str(rank), port],
-            env=_env("torch"),
-            stdout=subprocess.PIPE,
-            stderr=subprocess.PIPE,
-            text=True,
-        )
-        for rank in (0, 1)
-    ]
-    reports = []
-    for process in processes:
-        out, err = process.communicate(timeout=480)
-        assert process.returncode == 0, (out[-2000:], err[-6000:])
-        reports.append([json.loads(line) for line in out.splitlines() if line.startswith("{")])
-    first, second = reports
+    first, second = processes.run_side_by_side(WORKER, "torch_ddp", "torch")
     assert [r["level"] for r in first] == ["O2 float16", "O3 bfloat16"]
     for a, b in zip(first, second):
         assert (a["rank"], b["rank"]) == (0, 1)
