@@ -1,5 +1,6 @@
 """Test set-up shared by every backend (one backend per pytest process)."""
 
+import gc
 import os
 
 
@@ -52,6 +53,23 @@ elif keras.backend.backend() == "tensorflow":
     tf.config.experimental.enable_tensor_float_32_execution(False)
 
 from keras_mp._src.backends import common as backends_common  # noqa: E402
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _set_aside_what_earlier_modules_left():
+    """After each test module, what is still alive is moved out of the
+    garbage collector's sight (`gc.freeze`).
+
+    TensorFlow keeps every traced graph, so a worker's heap grows to millions
+    of objects over the suite, and each full collection (Python's own, and
+    the `gc.collect()` Keras runs when a layer deletes a variable, 15 times in
+    a `quantize("int8")`) walks all of them: 4 s each near the end, a minute
+    for one test. Frozen objects are not walked; what is garbage now is freed
+    first, and what a test makes is collected as usual.
+    """
+    yield
+    gc.collect()
+    gc.freeze()
 
 
 @pytest.fixture(autouse=True)
