@@ -19,6 +19,11 @@
 #              and compensated updates against O0 and O2 (a 9M-weight MLP)
 #   profile    step_profile.py (JAX; TensorFlow with XLA): where the step's time
 #              goes, by kind of kernel, O0 against O2 and Keras's policies
+#   real       real_models.py: ResNet50 (batch 128, 224x224) and a ~100M KerasHub
+#              Gemma, O0 (TF32 as set, and off) against O2/O3, with the speed
+#              report's bound beside each measured speed-up (REAL_ROUNDS, default 3)
+#   real_memory  real_models.py --memory and --max-batch: peak memory per
+#              configuration; the largest batch at O0 and O2/O3 (the Gemma)
 #   tf_levels  TensorFlow only: every level, float16 and bfloat16, XLA on and off,
 #              on ResNet50 and the transformer (needs TensorFlow's GPU build:
 #              ../shared/tools/tf-gpu-kit, then `. /tmp/tfgpu/env.sh`)
@@ -186,13 +191,31 @@ tf_levels() {
     done
 }
 
+# Issue 50: ResNet50 and a ~100M KerasHub Gemma at their real sizes, each level
+# against O0 with TF32 and strict float32, the speed report's bound beside each
+# ratio; then peak memory per configuration and the largest batch per level.
+real() {
+    local b
+    for b in $BACKENDS; do
+        step 480 "real_$b" env KERAS_BACKEND=$b python3 real_models.py --rounds "${REAL_ROUNDS:-3}" \
+            --configs O0 "O0 float32" "O2 float16" "O2 bfloat16" "O3 bfloat16"
+    done
+}
+
+real_memory() {
+    step 480 real_memory python3 real_models.py --all --backends $BACKENDS --memory \
+        --configs O0 "O2 float16" "O2 bfloat16" "O3 bfloat16"
+    step 480 real_max_batch python3 real_models.py --all --backends $BACKENDS --max-batch \
+        --models gemma --start-batch 16
+}
+
 PARTS=("$@")
-[ ${#PARTS[@]} -gt 0 ] || PARTS=(sanity tests overhead forms census levels profile masters tf_levels)
+[ ${#PARTS[@]} -gt 0 ] || PARTS=(sanity tests overhead forms census levels profile masters tf_levels real real_memory)
 for part in "${PARTS[@]}"; do
     case $part in
-        sanity|tests|overhead|forms|census|levels|profile|masters|tf_levels) $part ;;
+        sanity|tests|overhead|forms|census|levels|profile|masters|tf_levels|real|real_memory) $part ;;
         *) echo "unknown part: $part (sanity, tests, overhead, forms, census, levels, profile," \
-            "masters, tf_levels)"
+            "masters, tf_levels, real, real_memory)"
             exit 2 ;;
     esac
 done

@@ -1,0 +1,412 @@
+"""Real models at real sizes, each level against float32 (a benchmark for a GPU).
+
+keras.applications' ResNet50 (batch 128, 224x224x3, channels-last) and a
+~100M-parameter KerasHub Gemma built from a config (batch 16 x 512 tokens),
+random weights, nothing downloaded. Per backend, in one process, the
+configurations alternated round by round, medians over rounds:
+
+- `O0` with the backend's own TF32 setting (TensorFlow and JAX use TF32 for
+  float32 matmuls on Ampere and later; PyTorch does not), `O0 float32` with
+  TF32 off, O2 float16, O2 bfloat16, O3 bfloat16, and Keras's own
+  `mixed_float16` / `mixed_bfloat16` policies;
+- each one's speed-up over both O0s, beside the bound `keras_mp.speed_report`
+  predicts for it (`bound`: over O0 with TF32, `strict`: with TF32 off);
+- `--memory`: peak device memory of each configuration (one process each:
+  JAX's peak cannot be reset), beside the bytes of weights and optimizer
+  state the model holds and the speed report's prediction of them;
+- `--max-batch`: the largest power-of-two batch that trains, at O0 and at
+  O2/O3 (one process per try: an out-of-memory error ends it).
+
+    python benchmarks/real_models.py --all                  # every backend
+    KERAS_BACKEND=jax python benchmarks/real_models.py --models gemma
+    python benchmarks/real_models.py --all --memory
+    python benchmarks/real_models.py --all --max-batch --models gemma
+    python benchmarks/real_models.py --all --tiny --rounds 1  # a CPU check
+
+`--tiny` builds the same models small enough for a CPU (a check that the
+script runs, not a measurement).
+"""
+
+import argparse
+import contextlib
+import json
+import os
+import statistics
+import subprocess
+import sys
+
+import _checkout  # noqa: F401  (this checkout's keras_mp, not an installed one)
+from _common import JIT_COMPILE
+from lso_overhead import _steady_state_timer
+
+BACKENDS = ("tensorflow", "jax", "torch")
+MODELS = ("resnet50", "gemma")
+CONFIGS = (
+    "O0",
+    "O0 float32",
+    "O2 float16",
+    "O2 bfloat16",
+    "O3 bfloat16",
+    "keras mixed_float16",
+    "keras mixed_bfloat16",
+)
+BATCH = {"resnet50": 128, "gemma": 16}
+# Each configuration's largest batch is searched at these levels.
+MAX_BATCH_CONFIGS = ("O0", "O2 float16", "O2 bfloat16", "O3 bfloat16")
+GPU_NAMES = ("H200", "H100", "A100", "L4", "T4")  # speed_report's table
+
+
+def _build(keras, name, tiny):
+    """The model, its loss, and a function of a batch size giving (x, y)."""
+    import numpy as np
+
+    rng = np.random.default_rng(0)
+    if name == "resnet50":
+        shape, classes = ((32, 32, 3), 10) if tiny else ((224, 224, 3), 1000)
+        model = keras.applications.ResNet50(weights=None, input_shape=shape, classes=classes)
+
+        def data(batch, steps=1):
+            x = rng.normal(size=(steps * batch,) + shape).astype("float32")
+            return x, rng.integers(0, classes, size=(steps * batch,))
+
+        return model, "sparse_categorical_crossentropy", data
+    import keras_hub
+
+    config = (
+        dict(vocabulary_size=64, num_layers=2, num_query_heads=2, num_key_value_heads=2,
+             hidden_dim=32, intermediate_dim=64, head_dim=16)
+        if tiny
+        # ~100M parameters: 24.6M in the embedding, 9.4M a layer.
+        else dict(vocabulary_size=32000, num_layers=8, num_query_heads=12,
+                  num_key_value_heads=12, hidden_dim=768, intermediate_dim=6144, head_dim=64)
+    )  # fmt: skip
+    backbone = keras_hub.models.GemmaBackbone(**config)
+    model = keras_hub.models.GemmaCausalLM(backbone, preprocessor=None)
+    tokens = 16 if tiny else 512
+    vocabulary = config["vocabulary_size"]
+
+    def data(batch, steps=1):
+        ids = rng.integers(0, vocabulary, size=(steps * batch, tokens + 1)).astype("int32")
+        x = {"token_ids": ids[:, :-1], "padding_mask": np.ones_like(ids[:, :-1])}
+        return x, ids[:, 1:]
+
+    return model, keras.losses.SparseCategoricalCrossentropy(from_logits=True), data
+
+
+@contextlib.contextmanager
+def _matmul_precision(keras, strict):
+    """TF32 off for float32 matmuls and convolutions when `strict`; the
+    backend's own setting otherwise. Set around every `fit` of a
+    configuration (TensorFlow and PyTorch read it as they run, JAX as it
+    traces)."""
+    if not strict:
+        yield
+        return
+    backend = keras.backend.backend()
+    if backend == "tensorflow":
+        import tensorflow as tf
+
+        before = tf.config.experimental.tensor_float_32_execution_enabled()
+        tf.config.experimental.enable_tensor_float_32_execution(False)
+        try:
+            yield
+        finally:
+            tf.config.experimental.enable_tensor_float_32_execution(before)
+    elif backend == "jax":
+        import jax
+
+        with jax.default_matmul_precision("float32"):
+            yield
+    else:
+        import torch
+
+        before = torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32
+        torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = False
+        try:
+            yield
+        finally:
+            torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = before
+
+
+def _compiled(keras, name, config, tiny, jit_compile):
+    keras.utils.set_random_seed(0)
+    optimizer = keras.optimizers.Adam(1e-4)
+    if config.startswith("keras "):
+        keras.config.set_dtype_policy(config.split()[1])
+        try:
+            model, loss, data = _build(keras, name, tiny)
+        finally:
+            keras.config.set_dtype_policy("float32")
+        model.compile(optimizer=optimizer, loss=loss, jit_compile=jit_compile)
+        return model, data
+    model, loss, data = _build(keras, name, tiny)
+    level, dtype = (config.split() + ["float16"])[:2]
+    model.compile(
+        optimizer=optimizer,
+        loss=loss,
+        jit_compile=jit_compile,
+        amp_level=level,
+        amp_dtype="float16" if level == "O0" else dtype,
+    )
+    return model, data
+
+
+def _gpu_name():
+    """The speed report's name for this machine's GPU (H100 if unknown)."""
+    try:
+        out = subprocess.run(
+            ["nvidia-smi", "--query-gpu=name", "--format=csv,noheader"],
+            capture_output=True, text=True, check=True,
+        ).stdout  # fmt: skip
+    except (OSError, subprocess.CalledProcessError):
+        return "H100"
+    return next((g for g in GPU_NAMES if g in out.upper()), "H100")
+
+
+def _bounds(keras, keras_mp, name, tiny, batch, gpu):
+    """speed_report's bounds per keras_mp level: {config: (bound, strict)}
+    (its rules are keras_mp's: Keras's own policies get none)."""
+    model, _, data = _build(keras, name, tiny)
+    x, _ = data(batch)
+    bounds = {}
+    for config in CONFIGS:
+        if not config.startswith(("O1", "O2", "O3")):
+            continue
+        level, dtype = config.split()
+        summary = keras_mp.speed_report(model, x, level=level, dtype=dtype, gpu=gpu).summary
+        bounds[config] = (summary["speedup_bound_tf32"], summary["speedup_bound_float32"])
+    return bounds
+
+
+def run_speed(name, configs, rounds, batch, tiny, jit_compile):
+    import keras
+
+    import keras_mp
+
+    gpu = _gpu_name()
+    bounds = _bounds(keras, keras_mp, name, tiny, batch, gpu)
+    models, failed, data = {}, {}, None
+    steps = 3 if tiny else 12
+    for config in configs:
+        try:
+            model, make = _compiled(keras, name, config, tiny, jit_compile)
+            data = data or make(batch, steps)  # the same batches for every configuration
+            with _matmul_precision(keras, config == "O0 float32"):
+                model.fit(*data, batch_size=batch, epochs=1, verbose=0)
+            models[config] = model
+        except Exception as e:  # e.g. out of memory: said in the table
+            failed[config] = f"{type(e).__name__}: {str(e).splitlines()[0][:80]}"
+    timer = _steady_state_timer(keras)(skip=2 if steps > 4 else 1)
+    ran = tuple(c for c in configs if c in models)
+    times = {c: [] for c in ran}
+    for r in range(rounds):
+        for config in ran if r % 2 == 0 else ran[::-1]:
+            with _matmul_precision(keras, config == "O0 float32"):
+                models[config].fit(*data, batch_size=batch, epochs=1, verbose=0, callbacks=[timer])
+            times[config].append(timer.per_step)
+    median = {c: statistics.median(t) for c, t in times.items()}
+    backend = keras.backend.backend()
+    for config in configs:
+        if config in failed:
+            print(f"| {backend} | {name} | {config} | failed | | | {failed[config]} |")
+            continue
+
+        def over(base, c=config):
+            return f"{median[base] / median[c]:.2f}" if base in median else "n/a"
+
+        bound, strict = bounds.get(config, (None, None))
+        predicted = "" if bound is None else f"{bound:.2f} / {strict:.2f}"
+        print(
+            f"| {backend} | {name} | {config} | {median[config] * 1e3:.1f} "
+            f"| {over('O0')} | {over('O0 float32')} | {predicted} |",
+            flush=True,
+        )
+    print(f"# {backend} {name}: batch {batch}, {rounds} rounds, bounds for an {gpu}", flush=True)
+
+
+SPEED_HEADER = (
+    "| backend | model | configuration | step (ms) | speed-up over O0 (TF32 as set) "
+    "| over O0 float32 (TF32 off) | speed report's bound: TF32 / off |\n"
+    "|---|---|---|---|---|---|---|"
+)
+
+
+def _nbytes(variables):
+    import math
+    import re
+
+    def size(dtype):  # "bfloat16" -> 2 (NumPy knows no bfloat16)
+        bits = re.search(r"\d+", str(dtype))
+        return int(bits.group()) // 8 if bits else 1
+
+    return sum(math.prod(v.shape) * size(v.dtype) for v in variables)
+
+
+def _peak_bytes(keras):
+    backend = keras.backend.backend()
+    try:
+        if backend == "tensorflow":
+            import tensorflow as tf
+
+            return tf.config.experimental.get_memory_info("GPU:0")["peak"]
+        if backend == "jax":
+            import jax
+
+            return (jax.devices()[0].memory_stats() or {}).get("peak_bytes_in_use")
+        import torch
+
+        return torch.cuda.max_memory_allocated() if torch.cuda.is_available() else None
+    except (ValueError, RuntimeError, ImportError):
+        return None  # no GPU
+
+
+def run_memory(name, config, batch, tiny, jit_compile, predict):
+    """One configuration's peak over a short fit, as a JSON line."""
+    import gc
+
+    import keras
+
+    import keras_mp
+
+    report = {"config": config}
+    if predict and not config.startswith("keras"):
+        # Predicted first, on a model of its own, gone before the one measured.
+        level, dtype = (config.split() + ["float16"])[:2]
+        fresh, _, make = _build(keras, name, tiny)
+        summary = keras_mp.speed_report(
+            fresh, make(batch)[0], level="O2" if level == "O0" else level, dtype=dtype
+        ).summary
+        report["predicted"] = summary["bytes"]["O0" if level == "O0" else level]
+        del fresh, make, summary
+        gc.collect()
+    model, make = _compiled(keras, name, config, tiny, jit_compile)
+    with _matmul_precision(keras, config == "O0 float32"):
+        model.fit(*make(batch, 3), batch_size=batch, epochs=1, verbose=0)
+    report["peak"] = _peak_bytes(keras)
+    report["weights"] = _nbytes(model.weights)
+    report["optimizer"] = _nbytes(model.optimizer.variables)
+    print(json.dumps(report), flush=True)
+
+
+def _child(backend, *args):
+    """Runs this script in a process of its own; (return code, stdout)."""
+    out = subprocess.run(
+        [sys.executable, __file__, *map(str, args)],
+        env=dict(os.environ, KERAS_BACKEND=backend),
+        capture_output=True,
+        text=True,
+    )
+    return out.returncode, out.stdout
+
+
+def _mb(n):
+    return "n/a" if n is None else f"{n / 2**20:.4g}"
+
+
+def memory_table(backends, models, configs, tiny, jit):
+    print(
+        "| backend | model | configuration | batch | peak (MiB) | weights | optimizer state "
+        "| the rest (activations, gradients, workspace) | predicted: weights, optimizer, "
+        "kept activations |\n|---|---|---|---|---|---|---|---|---|"
+    )
+    for backend in backends:
+        for name in models:
+            batch = BATCH[name] if not tiny else 4
+            for config in configs:
+                code, out = _child(
+                    backend, "--memory-one", name, "--configs", config, "--batch", batch,
+                    "--jit-compile", jit, *(["--tiny"] if tiny else []),
+                )  # fmt: skip
+                lines = [ln for ln in out.splitlines() if ln.startswith("{")]
+                if code or not lines:
+                    print(f"| {backend} | {name} | {config} | {batch} | failed (exit {code}) |")
+                    continue
+                r = json.loads(lines[-1])
+                rest = None if r["peak"] is None else r["peak"] - r["weights"] - r["optimizer"]
+                p = r.get("predicted")
+                predicted = (
+                    ""
+                    if p is None
+                    else ", ".join(_mb(p[k]) for k in ("weights", "optimizer", "activations"))
+                )
+                print(
+                    f"| {backend} | {name} | {config} | {batch} | {_mb(r['peak'])} "
+                    f"| {_mb(r['weights'])} | {_mb(r['optimizer'])} | {_mb(rest)} | {predicted} |",
+                    flush=True,
+                )
+
+
+def max_batch_table(backends, models, tiny, jit, start, limit):
+    print("| backend | model | configuration | largest batch that trains |\n|---|---|---|---|")
+    for backend in backends:
+        for name in models:
+            for config in MAX_BATCH_CONFIGS:
+                batch, largest = start, None
+                while batch <= limit:
+                    code, _ = _child(
+                        backend, "--memory-one", name, "--configs", config, "--batch", batch,
+                        "--jit-compile", jit, "--no-prediction", *(["--tiny"] if tiny else []),
+                    )  # fmt: skip
+                    if code:
+                        break
+                    largest, batch = batch, 2 * batch
+                shown = (
+                    "none"
+                    if largest is None
+                    else f"{largest}" + (f" (the limit, {limit})" if batch > limit else "")
+                )
+                print(f"| {backend} | {name} | {config} | {shown} |", flush=True)
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--all", action="store_true", help="every backend, one process each")
+    parser.add_argument("--backends", nargs="+", default=list(BACKENDS), choices=BACKENDS)
+    parser.add_argument("--models", nargs="+", default=list(MODELS), choices=MODELS)
+    parser.add_argument("--configs", nargs="+", default=list(CONFIGS), choices=CONFIGS)
+    parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument("--batch", type=int, default=None, help="default: 128 / 16 (tiny: 4)")
+    parser.add_argument("--jit-compile", default="auto", choices=list(JIT_COMPILE))
+    parser.add_argument("--tiny", action="store_true", help="CPU-sized models (a check)")
+    parser.add_argument("--memory", action="store_true", help="peak memory per configuration")
+    parser.add_argument("--max-batch", action="store_true", help="largest batch per level")
+    parser.add_argument("--start-batch", type=int, default=8, help="--max-batch's first try")
+    parser.add_argument("--limit-batch", type=int, default=512, help="--max-batch's last try")
+    parser.add_argument("--memory-one", choices=MODELS, help=argparse.SUPPRESS)
+    parser.add_argument("--no-prediction", action="store_true", help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if min(args.rounds, args.batch or 1, args.start_batch, args.limit_batch) < 1:
+        parser.error("--rounds, --batch, --start-batch and --limit-batch must be positive")
+    jit = JIT_COMPILE[args.jit_compile]
+    tiny = ["--tiny"] if args.tiny else []
+    backends = args.backends if args.all else [os.environ.get("KERAS_BACKEND", "tensorflow")]
+    if args.memory_one:
+        return run_memory(
+            args.memory_one, args.configs[0], args.batch, args.tiny, jit, not args.no_prediction
+        )
+    if args.memory:
+        return memory_table(backends, args.models, args.configs, args.tiny, args.jit_compile)
+    if args.max_batch:
+        return max_batch_table(
+            backends, args.models, args.tiny, args.jit_compile, args.start_batch, args.limit_batch
+        )
+    print(SPEED_HEADER, flush=True)
+    if args.all:
+        for backend in args.backends:
+            code, out = _child(
+                backend, "--models", *args.models, "--configs", *args.configs, "--rounds",
+                args.rounds, "--jit-compile", args.jit_compile, *tiny,
+                *(["--batch", args.batch] if args.batch else []),
+            )  # fmt: skip
+            print("\n".join(ln for ln in out.splitlines() if ln.startswith(("|", "#"))))
+            if code:
+                print(f"# {backend}: exit {code}", flush=True)
+        return
+    configs = tuple(c for c in CONFIGS if c in args.configs)
+    for name in args.models:
+        batch = args.batch or (4 if args.tiny else BATCH[name])
+        run_speed(name, configs, args.rounds, batch, args.tiny, jit)
+
+
+if __name__ == "__main__":
+    main()
