@@ -31,6 +31,15 @@ def run_scenario(worker, scenario, backend, timeout=480):
     return result.stdout
 
 
+def run_cases(worker, scenario, backend, cases):
+    """Runs `worker scenario` (as `run_scenario`); it must have printed
+    `<scenario> <case>: ok` for each case. Returns what it printed."""
+    out = run_scenario(worker, scenario, backend)
+    for case in cases:
+        assert f"{scenario} {case}: ok" in out, out
+    return out
+
+
 def free_port(host="127.0.0.1"):
     with socket.socket() as s:
         s.bind((host, 0))

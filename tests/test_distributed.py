@@ -19,10 +19,6 @@ WORKER = os.path.join(os.path.dirname(__file__), "distributed_worker.py")
 LEVELS = ("O0", "O2", "O3", "O3-compensated")
 
 
-def _run(scenario, backend):
-    return processes.run_scenario(WORKER, scenario, backend)
-
-
 @pytest.mark.skipif(BACKEND != "tensorflow", reason="tf.distribute")
 @pytest.mark.parametrize(
     "scenario",
@@ -36,18 +32,15 @@ def _run(scenario, backend):
     ],
 )
 def test_tf_distribute(scenario):
-    out = _run(scenario, "tensorflow")
+    out = processes.run_cases(
+        WORKER, scenario, "tensorflow", LEVELS if scenario == "tf_fit" else ()
+    )
     assert f"{scenario}" in out
-    if scenario == "tf_fit":
-        for level in LEVELS:
-            assert f"tf_fit {level}: ok" in out, out
 
 
 @pytest.mark.skipif(BACKEND != "jax", reason="keras.distribution on JAX")
 def test_jax_data_parallel():
-    out = _run("jax_data_parallel", "jax")
-    for level in LEVELS:
-        assert f"jax_data_parallel {level}: ok" in out, out
+    processes.run_cases(WORKER, "jax_data_parallel", "jax", LEVELS)
 
 
 @pytest.mark.skipif(BACKEND != "jax", reason="keras.distribution on JAX")
@@ -55,31 +48,20 @@ def test_jax_model_parallel_at_every_level():
     """`ModelParallel` + `LayoutMap` on a 2 x 2 mesh, O1-O3 in float16 and
     bfloat16: master copies and slots laid out like their variables, the
     single-device run's steps, and an exact `.keras` round trip."""
-    out = _run("jax_model_parallel", "jax")
-    for level in (
-        "O1-float16",
-        "O1-bfloat16",
-        "O2-float16",
-        "O2-bfloat16",
-        "O3-float16",
-        "O3-bfloat16",
-    ):
-        assert f"jax_model_parallel {level}: ok" in out, out
+    cases = [f"{level}-{half}" for level in ("O1", "O2", "O3") for half in ("float16", "bfloat16")]
+    processes.run_cases(WORKER, "jax_model_parallel", "jax", cases)
 
 
 @pytest.mark.skipif(BACKEND != "jax", reason="keras.distribution on JAX")
 def test_jax_model_parallel_with_keras_hub_s_layout_map():
-    out = _run("jax_model_parallel_gemma", "jax")
-    for level in ("O2-float16", "O3-bfloat16"):
-        assert f"jax_model_parallel_gemma {level}: ok" in out, out
+    processes.run_cases(WORKER, "jax_model_parallel_gemma", "jax", ("O2-float16", "O3-bfloat16"))
 
 
 @pytest.mark.skipif(BACKEND != "jax", reason="keras.distribution on JAX")
 def test_jax_zero_shards_the_optimizer_state_over_the_replicas():
-    out = _run("jax_zero", "jax")
-    for where in ("DataParallel", "ModelParallel"):
-        for level in ("O2-float16", "O3-bfloat16"):
-            assert f"jax_zero {where} {level}: ok" in out, out
+    cases = [f"{where} {level}" for where in ("DataParallel", "ModelParallel")
+             for level in ("O2-float16", "O3-bfloat16")]  # fmt: skip
+    out = processes.run_cases(WORKER, "jax_zero", "jax", cases)
     assert "jax_zero without a distribution: refused" in out, out
 
 

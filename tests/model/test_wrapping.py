@@ -34,8 +34,9 @@ def _fit_quietly(model, x, *args, **kwargs):
 
 # -- a compile of its own, one optimizer --------------------------------------
 
-
-@pytest.mark.parametrize(
+# What the wrapper gives each level: a dynamic scale in float16, float32
+# master weights for O3's half variables.
+WRAPPED_AT_EACH_LEVEL = pytest.mark.parametrize(
     "level, dtype, dynamic, masters",
     [
         ("O1", "float16", True, False),
@@ -43,6 +44,9 @@ def _fit_quietly(model, x, *args, **kwargs):
         ("O3", "bfloat16", False, True),
     ],
 )
+
+
+@WRAPPED_AT_EACH_LEVEL
 def test_the_distiller_learns_after_apply_amp_with_its_own_compile(level, dtype, dynamic, masters):
     """keras-io's distiller, after `apply_amp` as README says for a compile
     of one's own: before, at O3 bfloat16 its bare Adam never moved a weight
@@ -337,14 +341,7 @@ def _ff_o0_losses():
 
 
 @needs_stateful_fit
-@pytest.mark.parametrize(
-    "level, dtype, dynamic, masters",
-    [
-        ("O1", "float16", True, False),
-        ("O2", "float16", True, False),
-        ("O3", "bfloat16", False, True),
-    ],
-)
+@WRAPPED_AT_EACH_LEVEL
 def test_each_layers_own_optimizer_is_wrapped_named_and_trains(level, dtype, dynamic, masters):
     """Forward-Forward's `FFDense` layers each step their own Adam in the
     model's `train_step`. Before, each stayed bare at every level: at O3
