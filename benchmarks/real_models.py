@@ -49,6 +49,10 @@ CONFIGS = (
     "O3 bfloat16",
     "keras mixed_float16",
     "keras mixed_bfloat16",
+    # The Gemma's output layer (the tied embedding's logits matmul) in half at
+    # O2, its logits cast to float32 by the loss: the rule of issue 54.
+    "O2 float16 +head",
+    "O2 bfloat16 +head",
 )
 BATCH = {"resnet50": 128, "gemma": 16}
 # Each configuration's largest batch is searched at these levels.
@@ -148,6 +152,12 @@ def _compiled(keras, name, config, tiny, jit_compile):
         amp_level=level,
         amp_dtype="float16" if level == "O0" else dtype,
     )
+    if config.endswith("+head"):
+        if name != "gemma":
+            raise ValueError(f"{config!r} is the Gemma's head in half; {name} has none")
+        # The tied embedding's own knob: its logits matmul (and the two of
+        # its gradient) in `dtype`; the loss reads the logits in float32.
+        model.backbone.token_embedding.reverse_dtype = dtype
     return model, data
 
 
@@ -170,7 +180,7 @@ def _bounds(keras, keras_mp, name, tiny, batch, gpu):
     x, _ = data(batch)
     bounds = {}
     for config in CONFIGS:
-        if not config.startswith(("O1", "O2", "O3")):
+        if not config.startswith(("O1", "O2", "O3")) or config.endswith("+head"):
             continue
         level, dtype = config.split()
         summary = keras_mp.speed_report(model, x, level=level, dtype=dtype, gpu=gpu).summary
@@ -187,15 +197,23 @@ def run_speed(name, configs, rounds, batch, tiny, jit_compile):
     bounds = _bounds(keras, keras_mp, name, tiny, batch, gpu)
     models, failed, data = {}, {}, None
     steps = 3 if tiny else 12
+    dump = _xla_dump_dir()
+    seen, censuses, peaks = set(), {}, {}
     for config in configs:
         try:
             model, make = _compiled(keras, name, config, tiny, jit_compile)
             data = data or make(batch, steps)  # the same batches for every configuration
+            before = _reset_peak(keras)
             with _matmul_precision(keras, config == "O0 float32"):
                 model.fit(*data, batch_size=batch, epochs=1, verbose=0)
             models[config] = model
+            peak = _peak_bytes(keras)
+            if before is not None and peak is not None:
+                peaks[config] = (peak - before, _nbytes(model.weights), _nbytes(model.optimizer.variables))
         except Exception as e:  # e.g. out of memory: said in the table
             failed[config] = f"{type(e).__name__}: {str(e).splitlines()[0][:80]}"
+        if dump:
+            censuses[config] = _census_of_new_module(dump, seen)
     timer = _steady_state_timer(keras)(skip=2 if steps > 4 else 1)
     ran = tuple(c for c in configs if c in models)
     times = {c: [] for c in ran}
@@ -222,6 +240,53 @@ def run_speed(name, configs, rounds, batch, tiny, jit_compile):
             flush=True,
         )
     print(f"# {backend} {name}: batch {batch}, {rounds} rounds, bounds for an {gpu}", flush=True)
+    for config, (peak, weights, slots) in peaks.items():
+        print(
+            f"| memory | {backend} | {name} | {config} | {_mb(peak)} | {_mb(weights)} "
+            f"| {_mb(slots)} |",
+            flush=True,
+        )
+    for config, counts in censuses.items():
+        if counts is None:
+            print(f"# census {backend} {name} {config}: no optimized module dumped", flush=True)
+            continue
+        lowered, optimized = counts
+        flops = ", ".join(f"{k} {v / 1e9:.1f}" for k, v in sorted(optimized["flops"].items()))
+        print(
+            f"| census | {backend} | {name} | {config} | {100 * lowered['half_share']:.1f}% "
+            f"| {100 * optimized['half_share']:.1f}% | {flops} "
+            f"| {optimized['converts']} ({optimized['convert MiB']:.1f} MiB) |",
+            flush=True,
+        )
+
+
+def _xla_dump_dir():
+    """Where XLA dumps its modules (`--xla_dump_to` in XLA_FLAGS), or None."""
+    import re
+
+    match = re.search(r"--xla_dump_to=(\S+)", os.environ.get("XLA_FLAGS", ""))
+    return match.group(1) if match else None
+
+
+def _census_of_new_module(dump, seen):
+    """The matmul census of the largest optimized module dumped since the
+    last call (the train step: the compiled program the device runs)."""
+    import glob
+
+    from hlo_census import matmul_census
+
+    paths = set(glob.glob(os.path.join(dump, "*after_optimizations.txt"))) - seen
+    seen |= paths
+    if not paths:
+        return None
+    optimized = max(paths, key=os.path.getsize)
+    lowered = optimized.replace("after_optimizations", "before_optimizations")
+    lowered = glob.glob(lowered.split(".jit_")[0] + "*before_optimizations.txt") or [optimized]
+    counts = []
+    for path in (min(lowered, key=len), optimized):
+        with open(path) as f:
+            counts.append(matmul_census(f.read()))
+    return tuple(counts)
 
 
 SPEED_HEADER = (
@@ -258,6 +323,27 @@ def _peak_bytes(keras):
         return torch.cuda.max_memory_allocated() if torch.cuda.is_available() else None
     except (ValueError, RuntimeError, ImportError):
         return None  # no GPU
+
+
+def _reset_peak(keras):
+    """Resets the device's peak memory where the backend can (TensorFlow,
+    PyTorch); the bytes in use now, or None."""
+    backend = keras.backend.backend()
+    try:
+        if backend == "tensorflow":
+            import tensorflow as tf
+
+            tf.config.experimental.reset_memory_stats("GPU:0")
+            return tf.config.experimental.get_memory_info("GPU:0")["current"]
+        if backend == "torch":
+            import torch
+
+            if torch.cuda.is_available():
+                torch.cuda.reset_peak_memory_stats()
+                return torch.cuda.memory_allocated()
+    except (ValueError, RuntimeError, ImportError):
+        pass
+    return None  # JAX's peak cannot be reset; no GPU
 
 
 def run_memory(name, config, batch, tiny, jit_compile, predict):
