@@ -205,7 +205,7 @@ def run_speed(name, configs, rounds, batch, tiny, jit_compile):
             data = data or make(batch, steps)  # the same batches for every configuration
             before = _reset_peak(keras)
             with _matmul_precision(keras, config == "O0 float32"):
-                model.fit(*data, batch_size=batch, epochs=1, verbose=0)
+                keras.Model.fit(model, *data, batch_size=batch, epochs=1, verbose=0)
             models[config] = model
             peak = _peak_bytes(keras)
             if before is not None and peak is not None:
@@ -220,7 +220,9 @@ def run_speed(name, configs, rounds, batch, tiny, jit_compile):
     for r in range(rounds):
         for config in ran if r % 2 == 0 else ran[::-1]:
             with _matmul_precision(keras, config == "O0 float32"):
-                models[config].fit(*data, batch_size=batch, epochs=1, verbose=0, callbacks=[timer])
+                keras.Model.fit(
+                    models[config], *data, batch_size=batch, epochs=1, verbose=0, callbacks=[timer]
+                )
             times[config].append(timer.per_step)
     median = {c: statistics.median(t) for c, t in times.items()}
     backend = keras.backend.backend()
@@ -367,7 +369,7 @@ def run_memory(name, config, batch, tiny, jit_compile, predict):
         gc.collect()
     model, make = _compiled(keras, name, config, tiny, jit_compile)
     with _matmul_precision(keras, config == "O0 float32"):
-        model.fit(*make(batch, 3), batch_size=batch, epochs=1, verbose=0)
+        keras.Model.fit(model, *make(batch, 3), batch_size=batch, epochs=1, verbose=0)
     report["peak"] = _peak_bytes(keras)
     report["weights"] = _nbytes(model.weights)
     report["optimizer"] = _nbytes(model.optimizer.variables)
