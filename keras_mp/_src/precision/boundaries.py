@@ -1,8 +1,10 @@
 """The boundary rule: the dtypes a layer takes and returns across its `call`.
 
-A model's outputs leave in float32; a subclassed model's inputs arrive in
-float32 and are cast to the level's dtype inside its `call`; inside a layer
-that runs its own `call`, a sublayer whose compute dtype differs from its
+A model's outputs leave in float32: its output layers compute as the level
+says and cast what they return (a probability activation of theirs runs
+after the cast, in float32); a subclassed model's inputs arrive in float32
+and are cast to the level's dtype inside its `call`; inside a layer that
+runs its own `call`, a sublayer whose compute dtype differs from its
 caller's returns its outputs in the caller's dtype. Each is a cast wrapped
 around the layer's `call` (`set_boundary_casts`), installed once, which
 reads the latest dtypes at each call.
@@ -15,10 +17,13 @@ import keras
 
 from keras_mp._src import keras_internals
 from keras_mp._src.precision import layer_tree
+from keras_mp._src.precision.layer_kinds import probability_activation
 
 _CASTS_ATTRIBUTE = "_keras_mp_boundary_casts"
 _ENTRY_DTYPE_ATTRIBUTE = "_keras_mp_entry_dtype"
 _OUTPUT_DTYPE_ATTRIBUTE = "_keras_mp_output_dtype"
+# On an output layer computing in half: its probability activation runs in float32.
+_FLOAT32_ACTIVATION_ATTRIBUTE = "_keras_mp_float32_activation"
 # On a model held by a subclassed model: the dtype it returns when called
 # from outside that model's `call` (its `train_step`, `compute_loss`).
 _OUTSIDE_DTYPE_ATTRIBUTE = "_keras_mp_outside_dtype"
@@ -33,20 +38,25 @@ def casts_of(layer):
     return getattr(layer, _ENTRY_DTYPE_ATTRIBUTE), getattr(layer, _OUTPUT_DTYPE_ATTRIBUTE)
 
 
-def set_boundary_casts(layer, entry_dtype=None, output_dtype=None):
+def set_boundary_casts(layer, entry_dtype=None, output_dtype=None, float32_activation=False):
     """Makes `layer` take `entry_dtype` inside its `call` and return `output_dtype`.
 
-    - `entry_dtype` (subclassed models only): the model's own policy is
-      float32, so its inputs arrive in float32 (and `model.export` gets a
-      float32 serving signature); inside `call` they are cast to the
-      level's dtype, as a mixed policy on the model would, so that raw ops
-      in `call` (a residual `x + attention(x)`) see the same dtype as the
-      layers' outputs.
+    - `entry_dtype`: its float32 inputs are cast to it inside `call`. A
+      subclassed model's own policy is float32, so its inputs arrive in
+      float32 (and `model.export` gets a float32 serving signature); inside
+      `call` they are cast to the level's dtype, as a mixed policy on the
+      model would, so that raw ops in `call` (a residual `x + attention(x)`)
+      see the same dtype as the layers' outputs. An output layer that does
+      not cast its own inputs (Keras's `Embedding` family: a tied
+      embedding's logits) gets them in its compute dtype.
     - `output_dtype`: the layer's floating outputs are cast to it on the way
       out (Keras masks kept). Set for a model's float32 outputs, and for a
       sublayer whose compute dtype differs from the layer that calls it
       (`apply_amp`'s boundary rule), so that the caller's own arithmetic
       on its sublayers' outputs sees one dtype.
+
+    - `float32_activation`: the layer's own activation (softmax, sigmoid)
+      runs on its outputs cast to float32, its matmul in its compute dtype.
 
     `None` turns a cast off. Idempotent: the wrapper is installed once and
     reads the latest dtypes at each call.
@@ -56,6 +66,7 @@ def set_boundary_casts(layer, entry_dtype=None, output_dtype=None):
         return
     object.__setattr__(layer, _ENTRY_DTYPE_ATTRIBUTE, entry_dtype)
     object.__setattr__(layer, _OUTPUT_DTYPE_ATTRIBUTE, output_dtype)
+    object.__setattr__(layer, _FLOAT32_ACTIVATION_ATTRIBUTE, float32_activation)
     if installed:
         return
     # A quantized layer (int8, float8) runs `quantized_call`, not `call`:
@@ -66,26 +77,45 @@ def set_boundary_casts(layer, entry_dtype=None, output_dtype=None):
     object.__setattr__(layer, _CASTS_ATTRIBUTE, True)
 
 
+def _call_with_float32_activation(layer, call, args, kwargs):
+    """`call` with the layer's activation applied to its outputs cast to
+    float32: the matmul in half, the probabilities in float32 (the cast fuses
+    into the activation). The attribute is swapped for the call only, so the
+    layer's config, and what it saves, keep its own activation."""
+    activation = layer.activation
+
+    def in_float32(x):
+        return activation(keras.ops.cast(x, "float32"))
+
+    object.__setattr__(layer, "activation", in_float32)
+    try:
+        return call(*args, **kwargs)
+    finally:
+        object.__setattr__(layer, "activation", activation)
+
+
 def _inside_a_model_call():
     return getattr(_MODEL_CALLS, "depth", 0) > 0
 
 
 def _with_boundary_casts(layer, call):
+    model = isinstance(layer, keras.Model)
+
     @functools.wraps(call)
     def call_with_boundary_casts(*args, **kwargs):
         entry = getattr(layer, _ENTRY_DTYPE_ATTRIBUTE)
-        if entry is None:
-            outputs = call(*args, **kwargs)
-        else:
-            if entry != "float32":
-                args, kwargs = keras.tree.map_structure(
-                    lambda x: _cast_float(x, entry), (args, kwargs)
-                )
+        if entry is not None and entry != "float32":
+            args, kwargs = keras.tree.map_structure(lambda x: _cast_float(x, entry), (args, kwargs))
+        if entry is not None and model:
             _MODEL_CALLS.depth = getattr(_MODEL_CALLS, "depth", 0) + 1
             try:
                 outputs = call(*args, **kwargs)
             finally:
                 _MODEL_CALLS.depth -= 1
+        elif getattr(layer, _FLOAT32_ACTIVATION_ATTRIBUTE, False):
+            outputs = _call_with_float32_activation(layer, call, args, kwargs)
+        else:
+            outputs = call(*args, **kwargs)
         target = getattr(layer, _OUTPUT_DTYPE_ATTRIBUTE)
         outside = getattr(layer, _OUTSIDE_DTYPE_ATTRIBUTE, None)
         if outside is not None and not _inside_a_model_call():
@@ -154,9 +184,13 @@ def set_boundaries(model, outputs=None, entry_dtype=None):
     - Inside Sequential and functional models nothing is cast on the way
       out: Keras casts each layer's inputs to its own compute dtype.
 
+    - An output layer of the model computing in half returns float32, a
+      probability activation of its own computed in float32.
+
     Returns:
         `(layer, dtype, caller)` for each layer that now returns a dtype
-        other than its own compute dtype to its caller.
+        other than its own compute dtype to its caller (caller None: the
+        model's output).
     """
     inner_dtypes = {}
     returns = []
@@ -171,11 +205,15 @@ def set_boundaries(model, outputs=None, entry_dtype=None):
             extractor = layer_tree.intermediate_outputs(model)
             set_boundary_casts(layer, output_dtype="float32" if extractor else None)
             continue
-        if layer_tree.is_subclassed(layer) and (
-            layer is model or any(layer is o for o in outputs or ())
-        ):
+        output = any(layer is o for o in outputs or ())
+        if layer_tree.is_subclassed(layer) and (layer is model or output):
             inner_dtypes[id(layer)] = entry_dtype
             set_boundary_casts(layer, entry_dtype, "float32")
+            continue
+        if output and not layer_tree.is_container(layer):
+            inner_dtypes[id(layer)] = layer.compute_dtype
+            if _set_output_casts(layer):
+                returns.append((layer, "float32", None))
             continue
         inner_dtypes[id(layer)] = None if layer_tree.is_graph(layer) else layer.compute_dtype
         caller_dtype = None if parent is None else inner_dtypes[id(parent)]
@@ -194,3 +232,20 @@ def set_boundaries(model, outputs=None, entry_dtype=None):
         else:
             set_boundary_casts(layer)
     return returns
+
+
+def _set_output_casts(layer):
+    """An output layer's casts: float32 out when it computes in half (its
+    inputs in half too when it does not cast them itself). Returns whether
+    it computes in half."""
+    compute = keras.backend.standardize_dtype(layer.compute_dtype)
+    if compute == "float32" or compute not in _COMPUTE_FLOATS:
+        set_boundary_casts(layer)
+        return False
+    set_boundary_casts(
+        layer,
+        entry_dtype=None if layer.autocast else compute,
+        output_dtype="float32",
+        float32_activation=probability_activation(layer) is not None,
+    )
+    return True

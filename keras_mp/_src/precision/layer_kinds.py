@@ -52,7 +52,9 @@ ALLOW_LIST = _keras_layers(
 # O2 computes in half everywhere except on these: reductions over many values
 # (normalisations) and exponentials (softmax), where float16's range and
 # precision lose accuracy. Also every class named `...Norm(alization)`
-# (`is_normalization`); the model's output layers are float32 at every level.
+# (`is_normalization`). A model's output layers compute as their level says
+# and return float32; probabilities are computed in float32
+# (`PROBABILITY_ACTIVATIONS`).
 DENY_LIST = _keras_layers(
     "BatchNormalization",
     "LayerNormalization",
@@ -93,6 +95,27 @@ MIXED_PRECISION_AWARE_PACKAGES = ("keras", "keras_hub", "keras_nlp", "keras_cv",
 
 
 # -- classes and kinds ----------------------------------------------------------
+
+
+# Activations whose outputs are probabilities or their logarithms: in half,
+# softmax's small probabilities and sigmoid's near 0 and 1 round to 0 and 1
+# before the loss takes their log. At a model's output they run in float32.
+PROBABILITY_ACTIVATIONS = ("softmax", "log_softmax", "sigmoid")
+
+
+def probability_activation(layer):
+    """The name of the probability activation `layer` applies itself (a
+    `Dense(10, activation="softmax")`, an `Activation("sigmoid")`), or None."""
+    name = getattr(getattr(layer, "activation", None), "__name__", None)
+    return name if name in PROBABILITY_ACTIVATIONS else None
+
+
+def computes_probabilities(layer):
+    """A layer that is nothing but a probability activation (`Softmax`, an
+    `Activation` of softmax, log_softmax or sigmoid): no matmul to gain."""
+    if isinstance(layer, L.Softmax):
+        return True
+    return isinstance(layer, L.Activation) and probability_activation(layer) is not None
 
 
 def of_class(*classes):

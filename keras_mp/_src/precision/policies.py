@@ -74,16 +74,18 @@ def apply_amp(
       inside them but for the deny-list; float32 variables.
     - `"O2"`: half compute everywhere except the deny-list (`DENY_LIST`:
       normalisations, also any class named `...Norm`/`...Normalization`,
-      and Softmax) and the model's output layers; float32 variables (master
-      weights). In float16, a layer defined outside Keras and KerasHub that
+      and Softmax); float32 variables (master weights). In float16, a layer defined outside Keras and KerasHub that
       contains other layers runs its own arithmetic in float32 (the layers
       inside it compute in half), unless it is in `allow`.
     - `"O3"`: half compute and half variables everywhere; BatchNorm too unless
       `keep_batchnorm_fp32=True`. A built model's weights are converted in
       place (same model, same variable objects, values rounded to half).
 
-    The model's output layers compute in float32 at every level, so outputs
-    and the loss are float32. Inside a layer that calls other layers, a
+    The model's output layers compute as the level says and return float32,
+    so outputs and the loss are float32: a head's matmul (a language model's
+    largest) runs in half, a softmax or sigmoid of its own in float32, and an
+    output layer that is nothing but one (`Softmax`, `Activation("sigmoid")`)
+    in float32. Inside a layer that calls other layers, a
     sublayer whose compute dtype differs from its caller's returns its
     outputs in the caller's dtype, so the caller's own arithmetic sees one
     dtype. `keras.layers.Normalization` and the categorical preprocessing
@@ -172,8 +174,15 @@ def decide_all(model, amp, outputs=None):
 def _annotate_returns(returns):
     for layer, dtype, caller in returns:
         rule = getattr(layer, _RULE_ATTRIBUTE, None)
-        if rule is not None:
-            object.__setattr__(layer, _RULE_ATTRIBUTE, f"{rule}; returns {dtype} to {caller.name}")
+        if rule is None:
+            continue
+        if caller is None:  # a model output
+            activation = layer_kinds.probability_activation(layer)
+            note = f"{activation} in float32, " if activation else ""
+            rule = f"{rule}; model output: {note}returns {dtype}"
+        else:
+            rule = f"{rule}; returns {dtype} to {caller.name}"
+        object.__setattr__(layer, _RULE_ATTRIBUTE, rule)
 
 
 def layer_lists(model):

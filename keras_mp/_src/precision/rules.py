@@ -29,6 +29,7 @@ from keras_mp._src.precision.layer_kinds import EXACT_PREPROCESSING
 from keras_mp._src.precision.layer_kinds import MASKS_WITH_1E9
 from keras_mp._src.precision.layer_kinds import OWN_L2_NORM
 from keras_mp._src.precision.layer_kinds import computes_no_float
+from keras_mp._src.precision.layer_kinds import computes_probabilities
 from keras_mp._src.precision.layer_kinds import is_attention
 from keras_mp._src.precision.layer_kinds import is_normalization
 from keras_mp._src.precision.layer_kinds import is_router
@@ -221,7 +222,14 @@ RULES = KEPT + (
     # EMA copy of a network that its `train_step` assigns to).
     Rule((is_container, user_denied), FLOAT32, "{level}: deny=, float32"),
     Rule((is_container,), CONTAINER, "{level}: container"),
-    Rule((is_output,), FLOAT32, "model output: float32"),
+    # A model's other output layers compute as their level says and return
+    # float32 (`boundaries.py`), a probability activation of theirs in
+    # float32; a layer that is nothing but one has no matmul to gain.
+    Rule(
+        (is_output, layer_is(computes_probabilities), not_user_allowed),
+        FLOAT32,
+        "model output: probabilities in float32",
+    ),
     # Exact at every level.
     Rule(
         (layer_is(of_class(*EXACT_PREPROCESSING)),),

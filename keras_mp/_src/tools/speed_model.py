@@ -52,6 +52,10 @@ def accounts_at(model, calls, amp):
         reasons[id(layer)] = reason
         policies[id(layer)] = policy
     parents = {id(layer): parent for layer, parent in layer_tree.tree(model)}
+    # The model's output layers return float32, whatever they compute in.
+    outputs = {
+        id(layer) for layer in layer_tree.output_layers(model) if not layer_tree.is_container(layer)
+    }
     produced = {}  # tensor id -> the dtype it has at `amp`
     accounts = {}
     for call in calls:
@@ -82,6 +86,8 @@ def accounts_at(model, calls, amp):
                 entry.casts += 2
                 entry.cast_bytes += 2 * size * (_bytes(kept_in) + _bytes(dtype))
         returned = _returned_dtype(layer, dtype, parents, compute, amp, model)
+        if id(layer) in outputs:
+            returned = "float32"
         for shape, _, tensor in call.outputs:
             size = numel(shape)
             entry.moved += 3 * size * _bytes(dtype)

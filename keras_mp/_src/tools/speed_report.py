@@ -199,14 +199,6 @@ def _advice(accounts, peaks, step, launch_s, dtype):
                     a.layer,
                     f"{kind} computes in float32 ({a.reason}): `allow=[...]` lifts it",
                 )
-            elif "model output" in a.reason:
-                add(
-                    ("output", kind),
-                    in_half,
-                    a.layer,
-                    f"{kind} computes in float32 as the model's output layer "
-                    "(its matmul at the float32 rate)",
-                )
         if a.cast_bytes:
             add(
                 ("casts", kind, a.dtype),
