@@ -170,8 +170,9 @@ def test_a_feature_extractor_computes_in_half_and_returns_float32(level, dtype):
     with every layer of VGG19 an output. Before, "model output: float32"
     made every layer float32: nothing ran in half. Now an output that other
     layers take in computes as the level says (precision_summary shows the
-    convolutions in half) and leaves the model in float32; only the last
-    layer keeps the outputs' float32 rule. The features follow O0's."""
+    convolutions in half) and leaves the model in float32; the last layer
+    computes as its level says too (a pooling: float32 at O1, off the
+    allow-list) and returns float32. The features follow O0's."""
     from tests import keras_io
 
     reference = keras_io.feature_extractor()
@@ -180,8 +181,11 @@ def test_a_feature_extractor_computes_in_half_and_returns_float32(level, dtype):
     rows = {row["layer"].split("/")[-1]: row for row in keras_mp.precision_summary(extractor).rows}
     for name in ("block1_conv1", "block2_conv1", "block3_conv2"):
         assert rows[name]["compute_dtype"] == dtype, rows[name]
-    assert rows["block3_pool"]["compute_dtype"] == "float32"
-    assert rows["block3_pool"]["rule"] == "model output: float32"
+    pool = rows["block3_pool"]
+    if level == "O1":
+        assert pool["compute_dtype"] == "float32" and pool["rule"] == "O1: not on the allow-list"
+    else:
+        assert pool["compute_dtype"] == dtype and "model output: returns float32" in pool["rule"]
     base, style = keras_io.style_transfer_images()
     want, got = reference(base), extractor(base)
     for name, feature in got.items():
@@ -237,3 +241,66 @@ def test_neural_style_transfer_runs_its_loop_on_half_features(level, dtype):
     losses = run(level)
     assert losses[-1] < losses[0]
     np.testing.assert_allclose(losses, reference, rtol=0.05)
+
+
+# -- the model's output layers ---------------------------------------------------
+
+
+def _softmax_head(**amp):
+    """Dense(3, softmax) whose logits are 0, -25 and 25 for an input of ones:
+    class 1's probability, e^-50 = 2e-22, is 0 in float16 and bfloat16."""
+    model = keras.Sequential(
+        [keras.Input((2,)), keras.layers.Dense(3, activation="softmax", name="head")]
+    )
+    model.get_layer("head").set_weights(
+        [np.array([[0.0, -12.5, 12.5]] * 2, "float32"), np.zeros(3, "float32")]
+    )
+    model.compile(optimizer="sgd", loss="sparse_categorical_crossentropy", **amp)
+    return model
+
+
+@pytest.mark.parametrize("level, dtype", [("O1", "float16"), ("O2", "float16"), ("O3", "bfloat16")])
+def test_a_softmax_head_computes_its_matmul_in_half_and_its_probabilities_in_float32(level, dtype):
+    """The output layer's matmul in half, its softmax after a cast to float32:
+    a probability of 2e-22 survives (in half it is 0), the loss is O0's (on
+    TensorFlow 50, from the softmax's logits, not the 16.1 of a clipped 0),
+    and the layer's config keeps its own activation."""
+    x, y = np.ones((4, 2), "float32"), np.ones((4,), "int32")
+    reference = _softmax_head().evaluate(x, y, verbose=0)
+    model = _softmax_head(amp_level=level, amp_dtype=dtype)
+    head = model.get_layer("head")
+    assert head.compute_dtype == dtype
+    row = keras_mp.precision_summary(model).rows[-1]
+    assert "model output: softmax in float32, returns float32" in row["rule"], row
+    probs = model(x)
+    assert _dtype(probs) == "float32"
+    np.testing.assert_allclose(keras.ops.convert_to_numpy(probs)[0, 1], np.exp(-50.0), rtol=1e-2)
+    np.testing.assert_allclose(model.evaluate(x, y, verbose=0), reference, rtol=1e-3)
+    assert head.get_config()["activation"] == "softmax"
+
+
+@pytest.mark.parametrize("level, dtype", [("O2", "float16"), ("O3", "bfloat16")])
+def test_output_layers_follow_allow_and_deny(level, dtype):
+    """deny= keeps an output layer float32, as before the output rule;
+    allow= puts a layer of your own at the output in half."""
+
+    class Scale(keras.layers.Layer):  # your own output layer
+        def call(self, x):
+            return x * 2.0
+
+    def model():
+        inputs = keras.Input((4,))
+        x = keras.layers.Dense(4, name="head")(inputs)
+        return keras.Model(inputs, [x, Scale(name="scale")(inputs)])
+
+    rows = keras_mp.precision_summary(keras_mp.apply_amp(model(), level, dtype)).rows
+    rows = {r["layer"].split("/")[-1]: r for r in rows}
+    assert rows["head"]["compute_dtype"] == dtype
+    assert rows["scale"]["compute_dtype"] == "float32"
+    assert rows["scale"]["rule"] == "model output: your layer, float32 (allow= for half)"
+    denied = keras_mp.apply_amp(model(), level, dtype, deny=["head"], allow=["scale"])
+    rows = {r["layer"].split("/")[-1]: r for r in keras_mp.precision_summary(denied).rows}
+    assert rows["head"]["compute_dtype"] == "float32"
+    assert rows["scale"]["compute_dtype"] == dtype
+    for output in denied(np.ones((2, 4), "float32")):
+        assert _dtype(output) == "float32"

@@ -15,16 +15,18 @@ HALF = "half"
 F32 = "float32"
 
 # kind: (compute, variables) per level; "half" is the level's half dtype.
-# The output layers are float32 at every level, variables included.
+# An output layer computes as its kind does at the level (the head is a
+# Dense) and returns float32; an output layer that only computes
+# probabilities (a Softmax) is float32 at every level.
 TABLE = {
-    "O0": {"allow": (F32, F32), "other": (F32, F32), "norm": (F32, F32), "output": (F32, F32)},
-    "O1": {"allow": (HALF, F32), "other": (F32, F32), "norm": (F32, F32), "output": (F32, F32)},
-    "O2": {"allow": (HALF, F32), "other": (HALF, F32), "norm": (F32, F32), "output": (F32, F32)},
+    "O0": {"allow": (F32, F32), "other": (F32, F32), "norm": (F32, F32), "probs": (F32, F32)},
+    "O1": {"allow": (HALF, F32), "other": (F32, F32), "norm": (F32, F32), "probs": (F32, F32)},
+    "O2": {"allow": (HALF, F32), "other": (HALF, F32), "norm": (F32, F32), "probs": (F32, F32)},
     "O3": {
         "allow": (HALF, HALF),
         "other": (HALF, HALF),
         "norm": (HALF, HALF),
-        "output": (F32, F32),
+        "probs": (F32, F32),
     },
 }
 # The loss scale `compile` sets up: float16 at O1 and O2 only.
@@ -38,7 +40,8 @@ KINDS = {
     "batch_norm": "norm",  # the deny-list
     "layer_norm": "norm",
     "softmax": "norm",
-    "head": "output",
+    "head": "allow",  # an output layer
+    "probs": "probs",  # an output layer that is a Softmax
 }
 
 
@@ -52,7 +55,8 @@ def _model():
     x = keras.layers.Dense(4, name="embedding_like", use_bias=False)(x)
     x = keras.layers.Softmax(name="softmax")(x)
     x = keras.layers.Flatten()(x)
-    return keras.Model(inputs, keras.layers.Dense(3, name="head")(x))
+    logits = keras.layers.Dense(3, name="head")(x)
+    return keras.Model(inputs, [logits, keras.layers.Softmax(name="probs")(logits)])
 
 
 def _expected(level, half, kind):
@@ -71,6 +75,9 @@ def test_every_kind_of_layer_follows_the_table(level, half):
         assert layer.compute_dtype == compute, (name, layer.dtype_policy.name)
         for weight in layer.weights:
             assert weight.dtype == variables, (name, weight.path)
+    # The outputs leave in float32, whatever the head computes in.
+    outputs = model(keras.ops.ones((2, 8, 4)))
+    assert [keras.backend.standardize_dtype(y.dtype) for y in outputs] == ["float32"] * 2
 
 
 @pytest.mark.parametrize("half", ["float16", "bfloat16"])

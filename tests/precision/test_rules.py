@@ -72,7 +72,14 @@ ROWS = [
     ),
     ("O2: container", lambda: keras.Sequential([L.Dense(2)]), {}, "O2", "mixed_float16"),
     ("O3: container", lambda: keras.Sequential([L.Dense(2)]), {}, "O3", "float16"),
-    ("model output: float32", lambda: L.Dense(2), {"output": True}, "O3", "float32"),
+    ("model output: probabilities in float32", L.Softmax, {"output": True}, "O3", "float32"),
+    (
+        "model output: your layer, float32 (allow= for half)",
+        Block,
+        {"output": True},
+        "O2",
+        "float32",
+    ),
     (
         "indices, counts and bins: float32 at every level",
         lambda: L.CategoryEncoding(4),
@@ -182,6 +189,7 @@ LAYERS = [
     Block,
     lambda: L.Hashing(8),
     lambda: keras.Sequential([L.Dense(2)]),
+    L.Softmax,
 ]
 
 
@@ -200,8 +208,13 @@ def test_some_row_decides_every_layer_at_every_level(make, level, half, output, 
     if policy is not None:
         policy = keras.dtype_policies.get(policy)
         assert policy.compute_dtype in ("float32", half)
-        if level == "O0" or output:
+        if level == "O0":
             assert policy.compute_dtype == "float32" or isinstance(layer, keras.Model)
+        if output and isinstance(layer, (L.Softmax, Block)):
+            # Probabilities, and your own layer's code, leave the model in float32.
+            assert policy.compute_dtype == "float32"
     attention_float32 = backends.current.half_attention_needs_float32(half)
-    if level == "O3" and not output and not isinstance(layer, (L.Hashing, Block)):
-        assert policy is not None and (policy.compute_dtype == half or attention_float32), reason
+    # Any other layer computes in half at O3, the model's output layers too.
+    if level == "O3" and not isinstance(layer, (L.Hashing, Block)):
+        if not (output and isinstance(layer, L.Softmax)):
+            assert policy is not None and (policy.compute_dtype == half or attention_float32), reason

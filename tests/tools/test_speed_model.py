@@ -11,7 +11,8 @@ from keras_mp._src.tools import speed_trace
 
 
 def _model(units):
-    """A hidden Dense `d` (half at O2/O3) and a float32 output layer."""
+    """A hidden Dense `d` and an output Dense (both half at O2/O3; the
+    output returns float32)."""
     return keras.Sequential(
         [keras.Input((1024,)), keras.layers.Dense(units, name="d"), keras.layers.Dense(8)],
         name="s",
@@ -42,9 +43,21 @@ def test_memory_counts_weights_slots_and_master_copies():
     for level, hidden_weight, hidden_state in (("O0", 4, 2 * 4), ("O3", 2, 2 * 4 + 4)):
         amp, accounts = _accounts(model, 8, level, "bfloat16")
         got = speed_model.memory(model, amp, 2, 1, False, accounts)
-        assert got["weights"] == hidden_weight * hidden + 4 * out
-        assert got["optimizer"] == hidden_state * hidden + 2 * 4 * out
+        assert got["weights"] == hidden_weight * (hidden + out)
+        assert got["optimizer"] == hidden_state * (hidden + out)
         half = 4 if level == "O0" else 2
-        assert got["activations"] == 8 * 256 * half + 8 * 8 * 4
+        assert got["activations"] == 8 * 256 * half + 8 * 8 * half
         sharded = speed_model.memory(model, amp, 2, 4, True, accounts)
         assert sharded["optimizer"] == got["optimizer"] // 4
+
+
+def test_the_output_layer_computes_in_half_and_returns_float32():
+    """Its matmul at the half rate, and its outputs cast to float32 on the
+    way out: the cast forward and its gradient back."""
+    _, accounts = _accounts(_model(256), 8, "O2")
+    (out,) = [a for a in accounts.values() if a.layer.name not in ("d", "s")]
+    assert out.dtype == "float16"
+    weights = 256 * 8 + 8  # its float32 kernel and bias, cast to float16
+    inputs = 0  # `d`'s float16 outputs: no cast
+    outputs = 8 * 8  # float16 -> float32
+    assert out.cast_bytes == 2 * (weights + inputs + outputs) * (4 + 2)

@@ -32,10 +32,15 @@ _MODEL_CALLS = threading.local()
 
 
 def casts_of(layer):
-    """`(entry_dtype, output_dtype)` of a layer's boundary casts, or None."""
+    """`(entry_dtype, output_dtype, float32_activation)` of a layer's
+    boundary casts (`set_boundary_casts`' arguments), or None."""
     if not getattr(layer, _CASTS_ATTRIBUTE, False):
         return None
-    return getattr(layer, _ENTRY_DTYPE_ATTRIBUTE), getattr(layer, _OUTPUT_DTYPE_ATTRIBUTE)
+    return (
+        getattr(layer, _ENTRY_DTYPE_ATTRIBUTE),
+        getattr(layer, _OUTPUT_DTYPE_ATTRIBUTE),
+        getattr(layer, _FLOAT32_ACTIVATION_ATTRIBUTE, False),
+    )
 
 
 def set_boundary_casts(layer, entry_dtype=None, output_dtype=None, float32_activation=False):

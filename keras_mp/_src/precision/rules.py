@@ -38,6 +38,7 @@ from keras_mp._src.precision.layer_kinds import of_class
 from keras_mp._src.precision.layer_kinds import quantized
 from keras_mp._src.precision.layer_kinds import routes_experts
 from keras_mp._src.precision.layer_kinds import runs_unknown_arithmetic
+from keras_mp._src.precision.layer_kinds import runs_users_code
 from keras_mp._src.precision.levels import Compute
 
 # -- the policies a row gives ---------------------------------------------------
@@ -275,6 +276,13 @@ RULES = KEPT + (
         (computes(Compute.DENY, Compute.ALL), layer_is(routes_experts), not_user_allowed),
         FLOAT32,
         "{level}: expert routing in float32 (experts in half)",
+    ),
+    # An output layer of the user's own code (a VAE's Sampling): as before
+    # the output rule, float32, no fallback to warn of; `allow=` for half.
+    Rule(
+        (is_output, layer_is(runs_users_code), not_user_allowed),
+        FLOAT32,
+        "model output: your layer, float32 (allow= for half)",
     ),
     # A composite layer of the user's, at O2 in float16.
     Rule(
