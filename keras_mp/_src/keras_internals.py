@@ -218,3 +218,20 @@ def call_takes_training(model):
 def built_input_shape(layer):
     """The input shape a layer was built on (one input), or None."""
     return (getattr(layer, "_build_shapes_dict", None) or {}).get("input_shape")
+
+
+def build_for_training(model, data):
+    """Builds `model`, its optimizer and metrics for a batch `data` (`(x, y)`)
+    as `fit` does before its first step, running nothing."""
+    model._symbolic_build(data_batch=data)
+
+
+def jax_training_state(model):
+    """The state Keras's JAX `fit` passes its `train_step`: trainable,
+    non-trainable, optimizer and metrics values."""
+    return model._get_jax_state(
+        trainable_variables=True,
+        non_trainable_variables=True,
+        optimizer_variables=True,
+        metrics_variables=True,
+    )

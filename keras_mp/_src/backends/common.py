@@ -325,3 +325,13 @@ def as_the_optimizer_sees(variable):
 def step_each_variable(optimizer):
     """Makes `optimizer` step each variable through its `update_step`, where
     the backend fuses the update of all of them (compensated updates)."""
+
+
+# -- the compiled program ---------------------------------------------------------
+
+
+def train_step_matmuls(model, data):
+    """`(kind, dtype, flops)` of each matmul and convolution in the program
+    this backend runs for `model`'s train step on the batch `data` (`(x, y)`):
+    JAX's lowered HLO, TensorFlow's traced graph, PyTorch's dispatched ops."""
+    raise NotImplementedError(f"keras_mp reads no train step program on the {NAME} backend")

@@ -216,3 +216,16 @@ def half_attention_needs_float32(dtype):
     import jax
 
     return dtype == "float16" and jax.default_backend() == "cpu"
+
+
+def train_step_matmuls(model, data):
+    """The matmuls of the HLO JAX lowers `fit`'s train step to (nothing
+    compiled, nothing run)."""
+    import jax
+
+    from keras_mp._src.backends import hlo_text
+
+    keras_internals.build_for_training(model, data)
+    state = keras_internals.jax_training_state(model)
+    lowered = jax.jit(model.train_step).lower(state, data)
+    return hlo_text.census(lowered.as_text(dialect="hlo"))[0]

@@ -11,6 +11,7 @@ import math
 
 from keras import ops
 
+from keras_mp._src import keras_internals
 from keras_mp._src.backends import common
 from keras_mp._src.backends.common import *  # noqa: F401,F403 (the portable hooks)
 from keras_mp._src.optimizer.loss_scale import update
@@ -332,3 +333,15 @@ def gpu_compute_capability():
         return None
     details = tf.config.experimental.get_device_details(gpus[0])
     return tuple(details.get("compute_capability", (0, 0)))
+
+
+def train_step_matmuls(model, data):
+    """The matmuls of the graph `tf.function` traces of the train step
+    (nothing run)."""
+    import tensorflow as tf
+
+    from keras_mp._src.backends import tf_graph
+
+    keras_internals.build_for_training(model, data)
+    spec = tf.nest.map_structure(lambda a: tf.TensorSpec(a.shape, tf.as_dtype(a.dtype)), data)
+    return tf_graph.matmuls(tf.function(model.train_step).get_concrete_function(spec).graph)

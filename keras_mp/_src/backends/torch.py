@@ -156,3 +156,12 @@ def step_each_variable(optimizer):
                 optimizer.update_step(gradient, variable, learning_rate)
 
     optimizer._backend_update_step = one_at_a_time
+
+
+def train_step_matmuls(model, data):
+    """The matmuls PyTorch dispatches in one train step (`train_on_batch`),
+    after which every variable of the model, its optimizer and metrics holds
+    its value from before the step."""
+    from keras_mp._src.backends import torch_dispatch
+
+    return torch_dispatch.matmuls_of_one_step(model, data)

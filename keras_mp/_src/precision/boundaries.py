@@ -53,7 +53,8 @@ def set_boundary_casts(layer, entry_dtype=None, output_dtype=None, float32_activ
       model would, so that raw ops in `call` (a residual `x + attention(x)`)
       see the same dtype as the layers' outputs. An output layer that does
       not cast its own inputs (Keras's `Embedding` family: a tied
-      embedding's logits) gets them in its compute dtype.
+      embedding's logits) gets them in its compute dtype, and reads its
+      weights in it where its inputs are floats (not a lookup's ids).
     - `output_dtype`: the layer's floating outputs are cast to it on the way
       out (Keras masks kept). Set for a model's float32 outputs, and for a
       sublayer whose compute dtype differs from the layer that calls it
@@ -109,7 +110,9 @@ def _with_boundary_casts(layer, call):
     @functools.wraps(call)
     def call_with_boundary_casts(*args, **kwargs):
         entry = getattr(layer, _ENTRY_DTYPE_ATTRIBUTE)
+        floats = False
         if entry is not None and entry != "float32":
+            floats = any(_is_float32(x) for x in keras.tree.flatten((args, kwargs)))
             args, kwargs = keras.tree.map_structure(lambda x: _cast_float(x, entry), (args, kwargs))
         if entry is not None and model:
             _MODEL_CALLS.depth = getattr(_MODEL_CALLS, "depth", 0) + 1
@@ -117,6 +120,12 @@ def _with_boundary_casts(layer, call):
                 outputs = call(*args, **kwargs)
             finally:
                 _MODEL_CALLS.depth -= 1
+        elif floats:
+            # A layer that does not autocast (a tied embedding's logits):
+            # its weights read in its compute dtype too, where its inputs
+            # are floats (a lookup of token ids reads the table as it is).
+            with keras_internals.AutocastScope(entry):
+                outputs = call(*args, **kwargs)
         elif getattr(layer, _FLOAT32_ACTIVATION_ATTRIBUTE, False):
             outputs = _call_with_float32_activation(layer, call, args, kwargs)
         else:
@@ -130,6 +139,12 @@ def _with_boundary_casts(layer, call):
         return keras.tree.map_structure(lambda x: _cast_half_or_float32(x, target), outputs)
 
     return call_with_boundary_casts
+
+
+def _is_float32(x):
+    if not (keras.ops.is_tensor(x) or isinstance(x, keras.KerasTensor)):
+        return False
+    return keras.backend.standardize_dtype(x.dtype) == "float32"
 
 
 def _cast_float(x, dtype):

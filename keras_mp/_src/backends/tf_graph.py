@@ -1,0 +1,110 @@
+"""Matmuls and convolutions in a traced TensorFlow graph, with their dtypes
+and FLOPs: the train step `tf.function` traces (forward, the gradient tape's
+backward, the optimizer), and the functions it calls (a `while` loop's
+body, a `cond`'s branches), each counted once where referenced.
+
+FLOPs from the operands' static shapes: `MatMul` 2MNK, `BatchMatMul` 2BMNK,
+`Einsum` 2 x the product of every index's size, a convolution (any of its
+three forms) 2 x its forward output's elements x the taps each sums.
+"""
+
+import math
+import re
+
+_MATMULS = ("MatMul", "BatchMatMul", "BatchMatMulV2", "BatchMatMulV3", "Einsum")
+_FUNCTION_ATTRIBUTES = ("body", "cond", "then_branch", "else_branch", "f", "branches")
+# op type: (forward input, filter, forward output) as operand indexes, -1 the op's output.
+_CONVOLUTIONS = {
+    "Conv1D": (0, 1, -1),
+    "Conv2D": (0, 1, -1),
+    "Conv3D": (0, 1, -1),
+    "DepthwiseConv2dNative": (0, 1, -1),
+    "Conv2DBackpropInput": (-1, 1, 2),
+    "Conv3DBackpropInputV2": (-1, 1, 2),
+    "DepthwiseConv2dNativeBackpropInput": (-1, 1, 2),
+    "Conv2DBackpropFilter": (0, -1, 2),
+    "Conv3DBackpropFilterV2": (0, -1, 2),
+    "DepthwiseConv2dNativeBackpropFilter": (0, -1, 2),
+}
+
+
+def matmuls(graph):
+    """`(kind, dtype, flops)` of each matmul ("dot") and convolution of
+    `graph` and of the functions it calls."""
+    found, seen, stack = [], set(), [graph]
+    functions = getattr(graph, "_functions", {})
+    while stack:
+        for op in stack.pop().get_operations():
+            entry = _census(op)
+            if entry is not None:
+                found.append(entry)
+            for name in _called(op):
+                function = functions.get(name)
+                if name not in seen and getattr(function, "graph", None) is not None:
+                    seen.add(name)
+                    stack.append(function.graph)
+    return found
+
+
+def _called(op):
+    names = []
+    for attribute in _FUNCTION_ATTRIBUTES:
+        try:
+            value = op.get_attr(attribute)
+        except ValueError:
+            continue
+        for function in value if isinstance(value, list) else [value]:
+            name = getattr(function, "name", None)
+            if name:
+                names.append(name.decode() if isinstance(name, bytes) else name)
+    return names
+
+
+def _shape(tensor):
+    return [d if d is not None else 1 for d in tensor.shape.as_list()]
+
+
+def _census(op):
+    if op.type in _MATMULS:
+        a, b = (_shape(t) for t in op.inputs[:2])
+        if op.type == "Einsum":
+            flops = 2 * _einsum_size(op.get_attr("equation").decode(), a, b)
+        elif op.type == "MatMul":
+            m = a[1] if op.get_attr("transpose_a") else a[0]
+            k = a[0] if op.get_attr("transpose_a") else a[1]
+            n = b[0] if op.get_attr("transpose_b") else b[1]
+            flops = 2 * m * n * k
+        else:
+            adjoint_x = op.get_attr("adj_x")
+            k = a[-2] if adjoint_x else a[-1]
+            flops = 2 * math.prod(_shape(op.outputs[0])) * k
+        return "dot", _dtype(op.inputs[0]), flops
+    if op.type in _CONVOLUTIONS:
+        _, kernel, output = (
+            op.outputs[0] if i == -1 else op.inputs[i] for i in _CONVOLUTIONS[op.type]
+        )
+        shape = _shape(kernel)
+        # [..., in, out]: each output element sums all but the output
+        # features; a depthwise one its own channel's taps.
+        taps = math.prod(shape[:-2] if op.type.startswith("Depthwise") else shape[:-1])
+        return "convolution", _dtype(output), 2 * math.prod(_shape(output)) * taps
+    return None
+
+
+def _einsum_size(equation, a, b):
+    """The product of every index's size (an ellipsis's dimensions too):
+    each output element sums over the contracted indices."""
+    sizes = {}
+    for labels, shape in zip(equation.split("->")[0].split(","), (a, b)):
+        explicit = labels.replace("...", "")
+        if "..." in labels:
+            broadcast = shape[: len(shape) - len(explicit)]
+            for i, size in enumerate(reversed(broadcast)):
+                sizes[f"...{i}"] = max(size, sizes.get(f"...{i}", 1))
+        for label, size in zip(explicit[::-1], shape[::-1]):
+            sizes[label] = max(size, sizes.get(label, 1))
+    return math.prod(sizes.values())
+
+
+def _dtype(tensor):
+    return tensor.dtype.name

@@ -1,0 +1,83 @@
+"""Matmuls and convolutions PyTorch dispatches in one train step, with their
+dtypes and FLOPs, seen by a `TorchDispatchMode` (below autograd: the
+backward's matmuls are there too). The step runs; every variable of the
+model, its optimizer and its metrics is put back as it was.
+
+FLOPs from the operands' shapes: `mm`/`addmm` 2MNK, `bmm`/`baddbmm` 2BMNK,
+`convolution` 2 x its output's elements x the taps each sums, and
+`convolution_backward` the same for each gradient it computes; fused
+attention (`scaled_dot_product_*`) 4 x batch x heads x queries x keys x
+head size forward, twice that backward.
+"""
+
+import math
+
+from keras_mp._src import keras_internals
+
+
+def matmuls_of_one_step(model, data):
+    """`(kind, dtype, flops)` of each matmul and convolution of one
+    `train_on_batch` of `data` (`(x, y)`)."""
+    import torch
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    found = []
+
+    class Census(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            out = func(*args, **(kwargs or {}))
+            entry = _census(func.overloadpacket.__name__, args, out)
+            if entry is not None:
+                found.append(entry)
+            return out
+
+    keras_internals.build_for_training(model, data)
+    variables = _state(model)
+    before = [torch.clone(v.value.detach()) for v in variables]
+    try:
+        with Census():
+            model.train_on_batch(*data)
+    finally:
+        for variable, value in zip(variables, before):
+            variable.assign(value)
+    return found
+
+
+def _state(model):
+    variables = list(model.variables)
+    if model.optimizer is not None:
+        variables += list(model.optimizer.variables)
+    variables += list(model.metrics_variables)
+    seen, unique = set(), []
+    for v in variables:
+        if id(v) not in seen:
+            seen.add(id(v))
+            unique.append(v)
+    return unique
+
+
+def _dtype(tensor):
+    return str(tensor.dtype).replace("torch.", "")
+
+
+def _census(name, args, out):
+    if name in ("mm", "bmm"):
+        a, b = args[0], args[1]
+        return "dot", _dtype(a), 2 * math.prod(out.shape) * a.shape[-1]
+    if name in ("addmm", "baddbmm"):
+        a = args[1]
+        return "dot", _dtype(a), 2 * math.prod(out.shape) * a.shape[-1]
+    if name == "convolution":
+        weight = args[1]
+        return "convolution", _dtype(args[0]), 2 * math.prod(out.shape) * math.prod(weight.shape[1:])
+    if name == "convolution_backward":
+        grad_output, weight, mask = args[0], args[2], args[-1]
+        each = 2 * math.prod(grad_output.shape) * math.prod(weight.shape[1:])
+        return "convolution", _dtype(grad_output), each * sum(bool(m) for m in mask[:2])
+    if name.startswith("_scaled_dot_product"):
+        # (query, key, ...) forward; (grad_out, query, key, ...) backward.
+        backward = name.endswith("backward")
+        query, key = args[1:3] if backward else args[:2]
+        flops = 4 * math.prod(query.shape[:-1]) * key.shape[-2] * query.shape[-1]
+        return "attention", _dtype(query), 2 * flops if backward else flops
+    return None
