@@ -221,3 +221,24 @@ def test_needs_a_loss():
         keras_mp.analyze(model, np.zeros((2, 3)), np.zeros((2, 1)), print_fn=None)
     with pytest.raises(TypeError, match="Received: model="):
         keras_mp.analyze("model", np.zeros((2, 3)), np.zeros((2, 1)))
+
+
+@pytest.mark.parametrize("family", ["gemma", "gpt2"])
+def test_a_language_model_s_head_in_float16_keeps_its_headroom(family):
+    """The output rule puts a causal LM's tied head (its logits matmul) in
+    float16 at O2. Trained there with its float32 loss, the doctor finds its
+    outputs (embeddings and logits) far inside float16's range, finite in
+    the model's own pass, and nothing to keep in float32."""
+    from tests.zoo import families
+
+    keras.utils.set_random_seed(0)
+    model, x, y, loss = getattr(families, family)()
+    model.compile(optimizer="adam", loss=loss, amp_level="O2", amp_dtype="float16")
+    model.fit(x, y, batch_size=4, epochs=2, verbose=0)
+    rows = {r["layer"].split("/")[-1]: r for r in keras_mp.precision_summary(model).rows}
+    assert rows["token_embedding"]["compute_dtype"] == "float16"
+    assert "model output: returns float32" in rows["token_embedding"]["rule"]
+    report = keras_mp.analyze(model, x, y, print_fn=None)
+    (head,) = [r for r in report.rows if r["layer"].split("/")[-1] == "token_embedding"]
+    assert head["finite_in_policy"] and not head["keep_float32"], head
+    assert 0 < head["max_activation"] < 65504 / 100, head

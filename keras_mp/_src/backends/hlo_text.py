@@ -5,7 +5,8 @@ XLA's passes make of it, where dots become cuBLAS calls).
 Counted: `dot` and `convolution` instructions wherever they are (fused
 computations too: a Triton GEMM is a fusion holding a dot), cuBLAS GEMM and
 cuDNN convolution custom calls. A dot's FLOPs are 2 x its output's elements
-x its contracted size; a convolution's 2 x its forward output's elements x
+x its contracted size (a dot with a vector is a reduction, a sum or a
+norm, and not counted); a convolution's 2 x its forward output's elements x
 the taps each sums (its filter's elements over its output features). A
 loop's body counts once. Also counted: the kernels that do nothing but
 convert (a cast XLA could not fuse into a neighbour), and the bytes they
@@ -109,7 +110,7 @@ def census(text):
             called = re.search(r"calls=%?([\w.\-]+)", attributes)
             if called:
                 fusions.append((shape, called.group(1)))
-        elif op == "dot" and len(operands) >= 2:
+        elif op == "dot" and len(operands) >= 2 and min(len(o[1]) for o in operands[:2]) >= 2:
             kind, flops = "dot", _dot_flops(output, operands, attributes, "lhs_contracting_dims")
         elif op == "convolution" and len(operands) >= 2:
             kind, flops = "convolution", _conv_flops(output, operands, attributes, "forward")

@@ -67,6 +67,8 @@ def _shape(tensor):
 def _census(op):
     if op.type in _MATMULS:
         a, b = (_shape(t) for t in op.inputs[:2])
+        if min(len(a), len(b)) < 2:
+            return None  # a dot with a vector: a reduction
         if op.type == "Einsum":
             flops = 2 * _einsum_size(op.get_attr("equation").decode(), a, b)
         elif op.type == "MatMul":

@@ -1,0 +1,85 @@
+"""The compiled program is the proof: in the program each backend builds for
+a zoo family's train step (JAX's lowered HLO, TensorFlow's traced graph,
+PyTorch's dispatched ops), the share of matmul and convolution FLOPs in
+half is at least Keras's own mixed policy's on the same model (minus one
+point), at O2 and O3 in bfloat16 and float16, and `speed_report`'s "Matmul
+work in half" is the program's within two points.
+
+Keras's own policy is traced only where keras_mp's share is under 99 %
+(above it, the first check holds whatever Keras's is). Where the backend
+does not compute in float16 (attention on JAX's CPU, which has no float16
+dot with a float32 result: keras_mp computes it in float32 there, and
+Keras's own policy lowers a step that CPU cannot compile), the cell
+compares with the report only.
+"""
+
+import keras
+import numpy as np
+import pytest
+
+import keras_mp
+from keras_mp._src.tools import compiled_census
+from tests.zoo import families
+
+pytestmark = pytest.mark.perf
+
+CELLS = (("O2", "bfloat16"), ("O3", "bfloat16"), ("O2", "float16"), ("O3", "float16"))
+_KERAS_SHARES = {}
+
+
+def _build(family, policy="float32"):
+    keras.config.set_dtype_policy(policy)
+    keras.utils.set_random_seed(0)
+    try:
+        return getattr(families, family)()
+    finally:
+        keras.config.set_dtype_policy("float32")
+
+
+def _keras_share(family, dtype):
+    """Keras's own `mixed_<dtype>` policy's share (None: it cannot build the
+    step on this backend), once per family, dtype and process."""
+    if (family, dtype) not in _KERAS_SHARES:
+        model, x, y, loss = _build(family, f"mixed_{dtype}")
+        model.compile(optimizer="adam", loss=loss)
+        try:
+            share = compiled_census.census(model, x, y).half_share
+        except Exception:  # noqa: BLE001 (whatever stops Keras's own step)
+            share = None
+        _KERAS_SHARES[(family, dtype)] = share
+    return _KERAS_SHARES[(family, dtype)]
+
+
+@pytest.mark.parametrize("family", list(families.FAMILIES))
+def test_the_compiled_step_runs_its_matmuls_in_half_as_the_report_says(family):
+    model, x, y, loss = _build(family)
+    for level, dtype in CELLS:
+        model.compile(optimizer="adam", loss=loss, amp_level=level, amp_dtype=dtype)
+        census = compiled_census.census(model, x, y)
+        cell = (family, level, dtype, str(census))
+        report = keras_mp.speed_report(model, x, level=level, dtype=dtype).summary
+        assert abs(report["half_flop_share"] - census.half_share) <= 0.02, (cell, report)
+        rules = " ".join(r["rule"] for r in keras_mp.precision_summary(model).rows)
+        if census.half_share < 0.99 and "attention on JAX's CPU" not in rules:
+            keras_share = _keras_share(family, dtype)
+            if keras_share is not None:
+                assert census.half_share >= keras_share - 0.01, (cell, keras_share)
+
+
+def test_a_census_counts_what_the_model_computes():
+    """A Dense model's step, by hand: forward 2BIO per layer, backward twice
+    that (the input's gradient and the kernel's); the first layer's input
+    gradient is not needed, which the program may or may not drop."""
+    model = keras.Sequential(
+        [keras.Input((32,)), keras.layers.Dense(64), keras.layers.Dense(16)]
+    )
+    model.compile(optimizer="sgd", loss="mse", amp_level="O2", amp_dtype="bfloat16")
+    x, y = np.ones((8, 32), "float32"), np.ones((8, 16), "float32")
+    census = compiled_census.census(model, x, y)
+    forward = 2 * 8 * (32 * 64 + 64 * 16)
+    full = 3 * forward
+    assert census.flops.keys() == {"bfloat16"}, census
+    assert full - 2 * 8 * 32 * 64 <= census.flops["bfloat16"] <= full, census
+    assert census.half_share == 1.0
+    model.compile(optimizer="sgd", loss="mse", amp_level="O0")
+    assert compiled_census.census(model, x, y).flops.keys() == {"float32"}
