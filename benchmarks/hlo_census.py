@@ -189,7 +189,9 @@ def matmul_census(text):
                 kind = (
                     "backward_input"
                     if "BackwardInput" in target
-                    else "backward_filter" if "BackwardFilter" in target else "forward"
+                    else "backward_filter"
+                    if "BackwardFilter" in target
+                    else "forward"
                 )
                 flops[_dtype(operands)] += _conv_flops(output, operands, attributes, kind)
     converts, convert_bytes = 0, 0

@@ -209,7 +209,11 @@ def run_speed(name, configs, rounds, batch, tiny, jit_compile):
             models[config] = model
             peak = _peak_bytes(keras)
             if before is not None and peak is not None:
-                peaks[config] = (peak - before, _nbytes(model.weights), _nbytes(model.optimizer.variables))
+                peaks[config] = (
+                    peak - before,
+                    _nbytes(model.weights),
+                    _nbytes(model.optimizer.variables),
+                )
         except Exception as e:  # e.g. out of memory: said in the table
             failed[config] = f"{type(e).__name__}: {str(e).splitlines()[0][:80]}"
         if dump:

@@ -108,15 +108,18 @@ def test_mixed_precision_matches_float32(float32_accuracies, level, dtype):
 @MAIN_BACKEND_ONLY
 @pytest.mark.parametrize("master_weights", [True, "compensated"])
 def test_o3_with_master_weights_matches_float32(float32_accuracies, master_weights):
-    """O3 bfloat16 (half variables), with float32 master weights or with
-    bfloat16 compensation buffers: within 0.5 point.
+    """O3 bfloat16 (half variables, the output layer's too), with float32
+    master weights or with bfloat16 compensation buffers: within 1 point,
+    as every level (the mean over seeds moves by about 0.75 point with the
+    arithmetic alone, above). With the head in bfloat16 the compensated
+    runs measured -0.50 point, the master-weight runs less.
 
     Without either, most updates are lost to bfloat16's rounding: the same
     runs reach about 61% (O0: 98%).
     """
     accuracies = _accuracies("O3", "bfloat16", master_weights=master_weights)
     gap = np.mean(accuracies) - np.mean(float32_accuracies)
-    assert abs(gap) <= 0.005, (
+    assert abs(gap) <= 0.01, (
         f"O3 bfloat16 (master_weights={master_weights!r}) test accuracy, mean over "
         f"seeds {SEEDS}, is {gap:+.4f} from float32's: O3 {accuracies}, O0 {float32_accuracies}"
     )

@@ -1,6 +1,8 @@
 """Matmuls in HLO text (`backends/hlo_text.py`): a module written by hand,
 as JAX lowers one and as XLA's GPU passes rewrite one, counted by hand."""
 
+import pytest
+
 from keras_mp._src.backends import hlo_text
 
 MODULE = """HloModule train_step
@@ -33,6 +35,7 @@ ENTRY %main (a: f32[4,8], b: bf16[8,16], b32: f32[8,16], img: f16[2,8,8,3], k: f
 """
 
 
+@pytest.mark.perf
 def test_dots_gemms_and_convolutions_with_their_dtypes_and_flops():
     matmuls, converts, convert_bytes = hlo_text.census(MODULE)
     assert sorted(matmuls) == sorted(
@@ -45,6 +48,7 @@ def test_dots_gemms_and_convolutions_with_their_dtypes_and_flops():
     assert (converts, convert_bytes) == (1, 4 * 8 * 2)
 
 
+@pytest.mark.perf
 def test_a_convolution_s_three_forms_count_alike():
     """cuDNN's forward, input-gradient and filter-gradient calls of one
     convolution: each is worth the forward's FLOPs."""
@@ -53,9 +57,9 @@ def test_a_convolution_s_three_forms_count_alike():
     module = "\n".join(
         [
             "ENTRY %main () -> f32[] {",
-            f"  %f = ({y}, u8[0]{{0}}) custom-call({x} %x, {w} %w), {labels}Forward\"",
-            f"  %i = ({x}, u8[0]{{0}}) custom-call({y} %y, {w} %w), {labels}BackwardInput\"",
-            f"  %g = ({w}, u8[0]{{0}}) custom-call({x} %x, {y} %y), {labels}BackwardFilter\"",
+            f'  %f = ({y}, u8[0]{{0}}) custom-call({x} %x, {w} %w), {labels}Forward"',
+            f'  %i = ({x}, u8[0]{{0}}) custom-call({y} %y, {w} %w), {labels}BackwardInput"',
+            f'  %g = ({w}, u8[0]{{0}}) custom-call({x} %x, {y} %y), {labels}BackwardFilter"',
             "}",
         ]
     )

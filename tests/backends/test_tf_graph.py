@@ -14,6 +14,7 @@ def _graph(fn, *specs):
     return tf.function(fn).get_concrete_function(*specs).graph
 
 
+@pytest.mark.perf
 def test_each_kind_of_matmul_and_its_gradients():
     import tensorflow as tf
 
@@ -53,6 +54,7 @@ def test_each_kind_of_matmul_and_its_gradients():
     ), kinds
 
 
+@pytest.mark.perf
 def test_a_loop_body_counts_once():
     import tensorflow as tf
 

@@ -10,6 +10,7 @@ from tests.steps import BACKEND
 pytestmark = pytest.mark.skipif(BACKEND != "torch", reason="PyTorch's dispatcher")
 
 
+@pytest.mark.perf
 def test_one_step_s_matmuls_and_nothing_changed():
     from keras_mp._src.backends import torch_dispatch
 

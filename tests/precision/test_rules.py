@@ -217,4 +217,6 @@ def test_some_row_decides_every_layer_at_every_level(make, level, half, output, 
     # Any other layer computes in half at O3, the model's output layers too.
     if level == "O3" and not isinstance(layer, (L.Hashing, Block)):
         if not (output and isinstance(layer, L.Softmax)):
-            assert policy is not None and (policy.compute_dtype == half or attention_float32), reason
+            assert policy is not None and (policy.compute_dtype == half or attention_float32), (
+                reason
+            )

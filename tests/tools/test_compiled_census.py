@@ -70,9 +70,7 @@ def test_a_census_counts_what_the_model_computes():
     """A Dense model's step, by hand: forward 2BIO per layer, backward twice
     that (the input's gradient and the kernel's); the first layer's input
     gradient is not needed, which the program may or may not drop."""
-    model = keras.Sequential(
-        [keras.Input((32,)), keras.layers.Dense(64), keras.layers.Dense(16)]
-    )
+    model = keras.Sequential([keras.Input((32,)), keras.layers.Dense(64), keras.layers.Dense(16)])
     model.compile(optimizer="sgd", loss="mse", amp_level="O2", amp_dtype="bfloat16")
     x, y = np.ones((8, 32), "float32"), np.ones((8, 16), "float32")
     census = compiled_census.census(model, x, y)

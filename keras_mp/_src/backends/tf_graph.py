@@ -9,7 +9,6 @@ three forms) 2 x its forward output's elements x the taps each sums.
 """
 
 import math
-import re
 
 _MATMULS = ("MatMul", "BatchMatMul", "BatchMatMulV2", "BatchMatMulV3", "Einsum")
 _FUNCTION_ATTRIBUTES = ("body", "cond", "then_branch", "else_branch", "f", "branches")

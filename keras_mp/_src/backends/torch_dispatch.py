@@ -62,14 +62,18 @@ def _dtype(tensor):
 
 def _census(name, args, out):
     if name in ("mm", "bmm"):
-        a, b = args[0], args[1]
+        a = args[0]
         return "dot", _dtype(a), 2 * math.prod(out.shape) * a.shape[-1]
     if name in ("addmm", "baddbmm"):
         a = args[1]
         return "dot", _dtype(a), 2 * math.prod(out.shape) * a.shape[-1]
     if name == "convolution":
         weight = args[1]
-        return "convolution", _dtype(args[0]), 2 * math.prod(out.shape) * math.prod(weight.shape[1:])
+        return (
+            "convolution",
+            _dtype(args[0]),
+            2 * math.prod(out.shape) * math.prod(weight.shape[1:]),
+        )
     if name == "convolution_backward":
         grad_output, weight, mask = args[0], args[2], args[-1]
         each = 2 * math.prod(grad_output.shape) * math.prod(weight.shape[1:])

@@ -74,9 +74,10 @@ def apply_amp(
       inside them but for the deny-list; float32 variables.
     - `"O2"`: half compute everywhere except the deny-list (`DENY_LIST`:
       normalisations, also any class named `...Norm`/`...Normalization`,
-      and Softmax); float32 variables (master weights). In float16, a layer defined outside Keras and KerasHub that
-      contains other layers runs its own arithmetic in float32 (the layers
-      inside it compute in half), unless it is in `allow`.
+      and Softmax); float32 variables (master weights). In float16, a
+      layer defined outside Keras and KerasHub that contains other layers
+      runs its own arithmetic in float32 (the layers inside it compute in
+      half), unless it is in `allow`.
     - `"O3"`: half compute and half variables everywhere; BatchNorm too unless
       `keep_batchnorm_fp32=True`. A built model's weights are converted in
       place (same model, same variable objects, values rounded to half).
