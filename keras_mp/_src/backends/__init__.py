@@ -4,9 +4,10 @@
 process): `tensorflow`, `jax` or `torch`, each starting from the portable
 hooks of `common` and replacing what its execution model does differently:
 the step (`apply`, `run_stateless`), the finiteness check and unscaling, the
-values logged by `fit`, the checks at `compile`, the doctor's gradients and
-the device probes. A backend Keras has but keras_mp does not train on gets
-`common`, whose step says so.
+values logged by `fit`, the checks at `compile`, the doctor's gradients, the
+device probes, and the train step's program as the compiled census reads it
+(`hlo_text`, `tf_graph`, `torch_dispatch`). A backend Keras has but keras_mp
+does not train on gets `common`, whose step says so.
 
 The backend modules receive the step's state and callables
 (`loss_scale.Step`) and never import the optimizer.
