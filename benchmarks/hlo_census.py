@@ -74,146 +74,26 @@ def census(path):
     }
 
 
-# -- matmul work by dtype (the optimized module of any platform) --------------
-
-_COMPUTATION = re.compile(r"^(?:ENTRY )?%?([\w.\-]+) .*\{\s*$")
-_INSTRUCTION = re.compile(r"^\s*(?:ROOT )?%?([\w.\-]+) = (.+?) ([a-z][\w\-]*)\((.*)$")
-_GEMM_TARGETS = ("__cublas$gemm", "__cublas$lt$matmul", "__cublas$lt$matmul$f8")
-_CONV_TARGET = "__cudnn$conv"
-# Operations a kernel of nothing but converts may also hold.
-_MOVES = {"parameter", "bitcast", "reshape", "transpose", "copy", "broadcast", "tuple"}
-_MOVES |= {"get-tuple-element", "constant", "slice", "convert"}
-
-
-def _arrays(text):
-    """[(dtype, [dims])] of the arrays written in `text`, in order."""
-    return [
-        (dtype, [int(d) for d in filter(None, dims.split(","))])
-        for dtype, dims in _ARRAY.findall(text)
-    ]
-
-
-def _prod(values):
-    total = 1
-    for v in values:
-        total *= v
-    return total
-
-
-def _dims(text, key):
-    """The integers of `key={1,2}` or `"key":["1","2"]` in `text`."""
-    match = re.search(key + r'(?:=\{|":\[)([^}\]]*)', text)
-    return [int(d.strip('" ')) for d in match.group(1).split(",") if d.strip('" ')] if match else []
-
-
-def _operands(arguments, shapes):
-    """The arrays of an instruction's operand list (up to its closing paren):
-    written beside each operand, or else the shapes of the named operands."""
-    depth, end = 1, 0
-    for end, char in enumerate(arguments):
-        depth += {"(": 1, ")": -1}.get(char, 0)
-        if depth == 0:
-            break
-    listed = arguments[:end]
-    arrays = _arrays(listed)
-    if not arrays:
-        names = re.findall(r"%?([\w.\-]+)", listed)
-        arrays = [shapes[n] for n in names if n in shapes]
-    return arrays, arguments[end:]
-
-
-def _conv_flops(output, operands, attributes, kind="forward"):
-    """2 x outputs x the taps each sums: for any of the three forms of a
-    convolution, from the forward one's `dim_labels` (lhs_rhs->out)."""
-    labels = re.search(r"dim_labels=(\w+)_(\w+)->(\w+)", attributes)
-    if not labels or len(operands) < 2:
-        return 0
-    # (filter, forward output) of each form; the filter's input features
-    # already count a grouped convolution's groups.
-    kernel, y = {
-        "forward": (operands[1], output),
-        "backward_input": (operands[1], operands[0]),
-        "backward_filter": (output, operands[1]),
-    }[kind]
-    out_features = kernel[1][labels.group(2).index("o")]
-    return 2 * _prod(y[1]) * _prod(kernel[1]) // max(out_features, 1)
-
-
 def matmul_census(text):
-    """Matmul and convolution FLOPs by operand dtype, and the converts left
-    as kernels of their own, in an HLO module's text (JAX's lowered or any
-    platform's optimized module).
+    """Matmul and convolution FLOPs by dtype in an HLO module's text (JAX's
+    lowered module, or any platform's optimized one: `backends/hlo_text.py`
+    reads cuBLAS and cuDNN calls too), their share in half, and the kernels
+    that only convert. Returns {"flops": {dtype: n}, "half_share": float,
+    "converts": n, "convert MiB": float}."""
+    from keras_mp._src.backends import hlo_text
 
-    Counted: `dot` and `convolution` instructions wherever they are (fused
-    computations too: a Triton GEMM is a fusion holding a dot), cuBLAS GEMM
-    and cuDNN convolution custom calls (what XLA rewrites them into on a
-    GPU). A dot's FLOPs are 2 x its output's elements x its contracted
-    size. Returns {"flops": {dtype: n}, "half_share": float,
-    "converts": kernels that only convert, "convert MiB": their outputs}.
-    """
+    matmuls, converts, convert_bytes = hlo_text.census(text)
     flops = collections.Counter()
-    computations, current, shapes = {}, None, {}
-    fusions = []  # (output shape, called computation) of each fusion kernel
-    for line in text.splitlines():
-        head = _COMPUTATION.match(line)
-        if head and "=" not in line.split("{")[0]:
-            current = computations.setdefault(head.group(1), [])
-            continue
-        match = _INSTRUCTION.match(line)
-        if not match:
-            continue
-        name, shape, op, rest = match.groups()
-        if current is not None:
-            current.append(op)
-        output = (_arrays(shape) or [("", [])])[0]
-        shapes[name] = output
-        operands, attributes = _operands(rest, shapes)
-        if op == "fusion":
-            called = re.search(r"calls=%?([\w.\-]+)", attributes)
-            if called:
-                fusions.append((shape, called.group(1)))
-            continue
-        if op == "dot" and len(operands) >= 2:
-            contracted = _prod(operands[0][1][d] for d in _dims(attributes, "lhs_contracting_dims"))
-            flops[_dtype(operands)] += 2 * _prod(output[1]) * contracted
-        elif op == "convolution":
-            flops[_dtype(operands)] += _conv_flops(output, operands, attributes)
-        elif op == "custom-call":
-            target = re.search(r'custom_call_target="([^"]+)"', attributes)
-            target = target.group(1) if target else ""
-            if target in _GEMM_TARGETS and len(operands) >= 2:
-                lhs = _dims(attributes, "lhs_contracting_dimensions")
-                contracted = _prod(operands[0][1][d] for d in lhs)
-                flops[_dtype(operands)] += 2 * _prod(output[1]) * contracted
-            elif target.startswith(_CONV_TARGET):
-                kind = (
-                    "backward_input"
-                    if "BackwardInput" in target
-                    else "backward_filter"
-                    if "BackwardFilter" in target
-                    else "forward"
-                )
-                flops[_dtype(operands)] += _conv_flops(output, operands, attributes, kind)
-    converts, convert_bytes = 0, 0
-    for shape, called in fusions:
-        ops = set(computations.get(called, ()))
-        if "convert" in ops and ops <= _MOVES:
-            converts += 1
-            convert_bytes += _bytes(shape)
+    for _, dtype, n in matmuls:
+        flops[dtype] += n
     total = sum(flops.values())
-    half = sum(n for dtype, n in flops.items() if dtype in ("f16", "bf16"))
+    half = sum(n for dtype, n in flops.items() if dtype in ("float16", "bfloat16"))
     return {
         "flops": dict(flops),
         "half_share": half / total if total else 0.0,
         "converts": converts,
         "convert MiB": convert_bytes / 2**20,
     }
-
-
-def _dtype(operands):
-    """The dtype of a matmul's operands ("mixed" when its two differ)."""
-    first, second = operands[0][0], operands[1][0]
-    return first if first == second else f"{first}x{second}"
 
 
 def _one(config, model_name, batch, dump):
