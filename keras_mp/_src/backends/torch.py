@@ -136,6 +136,12 @@ def gpu_compute_capability():
     return tuple(torch.cuda.get_device_capability(0))
 
 
+def computes_half_matmuls(dtype):
+    import torch
+
+    return dtype != "float16" or torch.cuda.is_available()
+
+
 # -- layers and optimizers -----------------------------------------------------
 
 

@@ -112,7 +112,7 @@ def _with_boundary_casts(layer, call):
         entry = getattr(layer, _ENTRY_DTYPE_ATTRIBUTE)
         floats = False
         if entry is not None and entry != "float32":
-            floats = any(_is_float32(x) for x in keras.tree.flatten((args, kwargs)))
+            floats = any(_is_float(x) for x in keras.tree.flatten((args, kwargs)))
             args, kwargs = keras.tree.map_structure(lambda x: _cast_float(x, entry), (args, kwargs))
         if entry is not None and model:
             _MODEL_CALLS.depth = getattr(_MODEL_CALLS, "depth", 0) + 1
@@ -141,10 +141,10 @@ def _with_boundary_casts(layer, call):
     return call_with_boundary_casts
 
 
-def _is_float32(x):
+def _is_float(x):
     if not (keras.ops.is_tensor(x) or isinstance(x, keras.KerasTensor)):
         return False
-    return keras.backend.standardize_dtype(x.dtype) == "float32"
+    return keras.backend.standardize_dtype(x.dtype) in _COMPUTE_FLOATS
 
 
 def _cast_float(x, dtype):

@@ -6,7 +6,10 @@ what it was given and what it returned. `work(call)` is a call's own
 matmul-like work: the forward FLOPs of its matmuls, einsums, convolutions,
 attention and recurrences (a layer's sublayers are their own calls, so
 nothing is counted twice), and the dimensions a 16-bit tensor core wants
-as multiples of 8: the contracted ones and the output ones.
+as multiples of 8: the contracted ones and the output ones. A layer whose
+work no rule below knows (T5's attention, a mixture of experts' experts, a
+layer of your own) counts the matmuls and einsums its own `call` runs,
+noted as they run in the trace.
 """
 
 import dataclasses
@@ -14,6 +17,7 @@ import inspect
 import math
 
 import keras
+import numpy as np
 
 from keras_mp._src import keras_internals
 from keras_mp._src.precision import layer_tree
@@ -30,6 +34,7 @@ class Call:
     arguments: dict  # the call's arguments by name (tensors as shapes)
     inputs: list  # (shape, dtype, id) of each floating tensor it was given
     outputs: list  # (shape, dtype, id) of each floating tensor it returned
+    raw: list = dataclasses.field(default_factory=list)  # `Work` of its own matmuls and einsums
 
 
 @dataclasses.dataclass
@@ -43,13 +48,17 @@ class Work:
 
 def trace(model, x):
     """The calls of `model`'s layers on `x`, in the order they ran."""
-    calls = []
+    calls, running = [], []
     hooked = []
     for layer in layer_tree.layers_in_order(model):
         if layer is model or layer_tree.is_graph(layer) or not hasattr(layer, "call"):
             continue
         hooked.append((layer, layer.__dict__.get("call")))
-        object.__setattr__(layer, "call", _noting(layer, layer.call, calls))
+        object.__setattr__(layer, "call", _noting(layer, layer.call, calls, running))
+    numpy = keras_internals.backend_numpy
+    ops = {name: getattr(numpy, name) for name in ("matmul", "einsum")}
+    setattr(numpy, "matmul", _recording(ops["matmul"], _matmul_work, running))
+    setattr(numpy, "einsum", _recording(ops["einsum"], _einsum_work, running))
     try:
         spec = keras.tree.map_structure(
             lambda a: keras.KerasTensor(tuple(a.shape), keras.backend.standardize_dtype(a.dtype)),
@@ -57,6 +66,8 @@ def trace(model, x):
         )
         keras_internals.compute_output_spec(model, spec)
     finally:
+        for name, op in ops.items():
+            setattr(numpy, name, op)
         for layer, own in hooked:
             if own is None:
                 layer.__dict__.pop("call", None)
@@ -77,24 +88,75 @@ def _floats(structure):
     return found
 
 
-def _noting(layer, call, calls):
+def _noting(layer, call, calls, running):
     try:
         signature = inspect.signature(call)
     except (TypeError, ValueError):
         signature = None
 
     def call_noting(*args, **kwargs):
-        outputs = call(*args, **kwargs)
+        raw = []
+        running.append(raw)
+        try:
+            outputs = call(*args, **kwargs)
+        finally:
+            running.pop()
         arguments = {}
         if signature is not None:
             try:
                 arguments = dict(signature.bind(*args, **kwargs).arguments)
             except TypeError:
                 arguments = {}
-        calls.append(Call(layer, arguments, _floats((args, kwargs)), _floats(outputs)))
+        calls.append(Call(layer, arguments, _floats((args, kwargs)), _floats(outputs), raw))
         return outputs
 
     return call_noting
+
+
+def _recording(op, measure, running):
+    """The backend's `op`, noting its `Work` in the layer call running it."""
+
+    def recorded(*args, **kwargs):
+        if running:
+            try:
+                running[-1].append(measure(*args, **kwargs))
+            except (TypeError, ValueError, IndexError, AttributeError):
+                pass  # a form this count does not read: left out
+        return op(*args, **kwargs)
+
+    return recorded
+
+
+def _matmul_work(a, b, *_, **__):
+    """`a @ b`: a dot with a vector is a reduction, not matmul work."""
+    a, b = _shape(a), _shape(b)
+    if a is None or b is None or len(a) < 2 or len(b) < 2:
+        return Work()
+    batch = math.prod(np.broadcast_shapes(a[:-2], b[:-2]))
+    m, k, n = a[-2], a[-1], b[-1]
+    return Work(2 * batch * m * k * n, (("contracted", k), ("output", n)))
+
+
+def _einsum_work(equation, *operands, **_):
+    """2 x the product of every index's size (an ellipsis's too)."""
+    shapes = [_shape(o) for o in operands]
+    specs = equation.replace(" ", "").split("->")[0].split(",")
+    if len(shapes) != 2 or None in shapes or len(specs) != 2:
+        return Work()
+    sizes = {}
+    for spec, shape in zip(specs, shapes):
+        explicit = spec.replace("...", "")
+        if "..." in spec:
+            for i, size in enumerate(reversed(shape[: len(shape) - len(explicit)])):
+                sizes[f"...{i}"] = max(size, sizes.get(f"...{i}", 1))
+        for label, size in zip(explicit[::-1], shape[::-1]):
+            sizes[label] = max(size, sizes.get(label, 1))
+    output = equation.replace(" ", "").split("->")[1] if "->" in equation else ""
+    summed = [c for c in sizes if c.isalpha() and c not in output]
+    if not summed:
+        return Work()  # an outer or elementwise product: no matmul
+    contracted = math.prod(sizes[c] for c in summed)
+    return Work(2 * math.prod(sizes.values()), (("contracted", contracted),))
 
 
 def _shape(value):
@@ -108,8 +170,10 @@ def work(call):
         if isinstance(layer, kind):
             return measure(call)
     if is_attention(layer):
-        return _attention_core(call)
-    return Work()
+        modelled = _attention_core(call)
+        if modelled.flops:
+            return modelled
+    return Work(sum(w.flops for w in call.raw), next((w.dims for w in call.raw if w.dims), ()))
 
 
 def _first_input(call):
