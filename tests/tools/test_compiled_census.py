@@ -71,8 +71,9 @@ def _keras_share(family, dtype):
 
 
 JAX = keras.backend.backend() == "jax"
+TRACED = keras.backend.backend() in ("jax", "tensorflow")
 FAMILIES = [
-    f for f in families.FAMILIES if not (JAX and f in families.APPLICATIONS and f != "resnet50")
+    f for f in families.FAMILIES if not (TRACED and f in families.APPLICATIONS and f != "resnet50")
 ]
 
 
