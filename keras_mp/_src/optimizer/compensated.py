@@ -128,7 +128,8 @@ class CompensatedUpdates:
                     plain.append(variable)
                 elif optimizer._use_weight_decay(backends.current.as_the_optimizer_sees(variable)):
                     decayed.add(optimizer._var_key(variable))
-            apply_weight_decay(plain)
+            if plain:  # PyTorch's fused decay refuses an empty list
+                apply_weight_decay(plain)
 
         optimizer.update_step = compensated_update_step
         optimizer._apply_weight_decay = compensated_weight_decay
