@@ -16,7 +16,9 @@ run (lost gradients, skipped steps) as far outside the bound as before.
 """
 
 import functools
+import json
 
+import filelock
 import keras
 import numpy as np
 import pytest
@@ -82,8 +84,17 @@ def _accuracies(level, dtype, **amp):
 
 
 @pytest.fixture(scope="module")
-def float32_accuracies():
-    accuracies = _accuracies("O0", "float16")
+def float32_accuracies(tmp_path_factory):
+    """Computed once per backend and run: pytest-xdist's workers share it
+    through a file (a baseline costs 20-40 s a worker otherwise)."""
+    shared = tmp_path_factory.getbasetemp().parent
+    path = shared / f"float32_accuracies_{keras.backend.backend()}.json"
+    with filelock.FileLock(str(path) + ".lock"):
+        if path.is_file():
+            accuracies = json.loads(path.read_text())
+        else:
+            accuracies = _accuracies("O0", "float16")
+            path.write_text(json.dumps(accuracies))
     assert min(accuracies) > 0.9, f"the float32 baseline did not converge: {accuracies}"
     return accuracies
 
