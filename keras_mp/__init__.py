@@ -34,6 +34,7 @@ from keras_mp._src.precision.policies import apply_amp
 from keras_mp._src.precision.policies import to_float
 from keras_mp._src.tools.doctor import analyze
 from keras_mp._src.tools.export import export
+from keras_mp._src.tools.export import install as _install_export
 from keras_mp._src.tools.export import serving_copy
 from keras_mp._src.tools.speed_report import speed_report
 from keras_mp._src.tools.summary import precision_summary
@@ -41,6 +42,7 @@ from keras_mp._src.tools.summary import precision_summary
 __version__ = "0.1.0"
 
 _install_compile_keywords()
+_install_export()
 
 __all__ = [
     "ALLOW_LIST",

@@ -13,6 +13,7 @@ from keras_mp._src.backends import common
 from keras_mp._src.backends.common import *  # noqa: F401,F403 (the portable hooks)
 
 STATELESS = True
+OPENVINO_THROUGH_ONNX = True
 SHARDS_OPTIMIZER_STATE = True
 
 
