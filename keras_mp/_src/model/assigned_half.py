@@ -11,8 +11,9 @@ its distance or less. Nothing fails; the EMA is silently wrong.
 keras_mp cannot tell an EMA copy from a frozen teacher before the step
 runs (both are networks no optimizer trains; a teacher in half is what O3
 is for), so it watches: the half weights of the models a subclassed model
-holds have their `assign` noted while a `fit` step is traced (or run); a
-weight assigned there that no optimizer trains is named, once, with the
+holds have their `assign` noted while a `fit` step is traced (or run), and
+on JAX the values a stateless step returns for them are told from those it
+was given (`check_returned`); a weight assigned there that no optimizer trains is named, once, with the
 fix: keep that network in float32 (`deny=[model.ema_network]`: it is not
 trained, so it costs no optimizer memory) and cast what is assigned from
 the half network to its dtype.
@@ -114,13 +115,38 @@ class Noting:
         return False
 
 
+def check_returned(model, old_values, new_values):
+    """JAX, at the first trace of a stateless step: a step written for JAX
+    (keras-io DDIM's JAX form) does not `assign` its EMA, it returns the EMA
+    network's new values with the non-trainable variables. A value returned
+    that is not the one the step was given was computed by the step: named
+    as an assignment is (`Noting`). Read off the traced values' identity:
+    nothing is added to the program."""
+    if model.__dict__.get(_CHECKED, False):
+        return
+    object.__setattr__(model, _CHECKED, True)
+    computed = {
+        id(variable)
+        for variable, old, new in zip(model.non_trainable_variables, old_values, new_values)
+        if new is not old
+    }
+    for name, held in _held_models(model):
+        assigned = [
+            v
+            for v in _weights(held)
+            if id(v) in computed and keras.backend.standardize_dtype(v.dtype) in HALF_DTYPES
+        ]
+        if assigned:
+            _warn(name, held, assigned[0], stacklevel=4)
+
+
 def _held_models(model):
     for name, value in keras_internals.attributes(model).items():
         if not name.startswith("_") and layer_tree.is_container(value):
             yield name, value
 
 
-def _warn(name, held, variable):
+def _warn(name, held, variable, stacklevel=2):
     half = keras.backend.standardize_dtype(variable.dtype)
     spacing = "1/256" if half == "bfloat16" else "1/2048"
     warnings.warn(
@@ -133,5 +159,5 @@ def _warn(name, held, variable):
         f"compile (`deny=` in apply_amp), and cast what you assign from "
         f"the {half} network to its dtype: `ema_weight.assign(ema * "
         f"ema_weight + (1 - ema) * ops.cast(weight, ema_weight.dtype))`.",
-        stacklevel=2,
+        stacklevel=stacklevel,
     )

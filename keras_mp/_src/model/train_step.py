@@ -319,6 +319,7 @@ def _stateless_train_step(original, model, optimizers, guard):
         old_non_trainable = state[1]
         with _StepFlags(optimizers), _OnlyTheModelsOptimizer(optimizers):
             logs, new_state = original(state, data)
+        assigned_half.check_returned(model, old_non_trainable, new_state[1])
         if optimizer is None:
             return logs, new_state
         ids = [id(v) for v in optimizer.variables]
