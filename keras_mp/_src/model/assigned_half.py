@@ -13,10 +13,10 @@ runs (both are networks no optimizer trains; a teacher in half is what O3
 is for), so it watches: the half weights of the models a subclassed model
 holds have their `assign` noted while a `fit` step is traced (or run), and
 on JAX the values a stateless step returns for them are told from those it
-was given (`check_returned`); a weight assigned there that no optimizer trains is named, once, with the
-fix: keep that network in float32 (`deny=[model.ema_network]`: it is not
-trained, so it costs no optimizer memory) and cast what is assigned from
-the half network to its dtype.
+was given (`check_returned`); a weight assigned there that no optimizer
+trains is named, once, with the fix: keep that network in float32
+(`deny=[model.ema_network]`: it is not trained, so it costs no optimizer
+memory) and cast what is assigned from the half network to its dtype.
 """
 
 import threading
