@@ -9,6 +9,7 @@ TensorFlow and JAX export SavedModels (JAX through jax2tf); Keras cannot on
 the PyTorch backend without torch_xla, and keras_mp.export says so.
 """
 
+import gc
 import logging
 import os
 import subprocess
@@ -70,7 +71,8 @@ def _trained(level, dtype, kind="functional"):
     keras.utils.set_random_seed(0)
     model = _functional() if kind == "functional" else Subclassed()
     loss = keras.losses.SparseCategoricalCrossentropy(from_logits=kind != "functional")
-    model.compile(optimizer="adam", loss=loss, amp_level=level, amp_dtype=dtype)
+    amp = dict(amp_level=level) if level == "O0" else dict(amp_level=level, amp_dtype=dtype)
+    model.compile(optimizer="adam", loss=loss, **amp)
     x, y = _data()
     model.fit(x, y, batch_size=8, epochs=2, verbose=0)
     return model
@@ -177,6 +179,48 @@ def test_serving_copy_computes_in_float32_and_leaves_the_model_alone(level, kind
     assert _policies(model) == policies
     assert model.get_compile_config() == config
     model.fit(x, _data()[1], epochs=1, verbose=0)
+
+
+@pytest.mark.parametrize(
+    "level, dtype",
+    [
+        ("O0", "float32"),
+        ("O1", "float16"),
+        ("O2", "bfloat16"),
+        ("O3", "float16"),
+        ("O3", "bfloat16"),
+    ],
+)
+def test_a_serving_copy_never_touches_its_model(tmp_path, level, dtype):
+    """Used, exported and deleted, a serving copy leaves its model exactly as
+    it was: the model predicts, trains, saves and reloads bit for bit as a
+    twin that never had a copy. (On JAX the copy's weights were the model's
+    own arrays, and `predict` donates its arguments: the copy's first
+    `predict` deleted the model's weights.)"""
+    model = _trained(level, dtype)
+    model.save(str(tmp_path / "twin.keras"))
+    x, y = _data()
+    before = model.predict(x, verbose=0)
+
+    copy = keras_mp.serving_copy(model)
+    copy.predict(x, verbose=0)
+    if BACKEND == "torch":
+        spec = keras.InputSpec(shape=x.shape, dtype="float32")
+        copy.export(str(tmp_path / "copy.pt2"), format="torch", input_signature=[spec])
+    else:
+        copy.export(str(tmp_path / "copy"), verbose=False)
+    del copy
+    gc.collect()
+
+    np.testing.assert_array_equal(model.predict(x, verbose=0), before)
+    twin = keras.models.load_model(str(tmp_path / "twin.keras"))
+    for trained in (model, twin):
+        trained.fit(x, y, batch_size=8, epochs=1, shuffle=False, verbose=0)
+    for mine, twins in zip(model.get_weights(), twin.get_weights()):
+        np.testing.assert_array_equal(mine, twins)
+    model.save(str(tmp_path / "after.keras"))
+    reloaded = keras.models.load_model(str(tmp_path / "after.keras"))
+    np.testing.assert_array_equal(reloaded.predict(x, verbose=0), model.predict(x, verbose=0))
 
 
 def _reference_forward(model, x, kind):

@@ -9,11 +9,7 @@ copy of the model re-traced in the precision it will be served in, without
 touching the model being trained.
 """
 
-import contextlib
 import functools
-import logging
-import os
-import tempfile
 import warnings
 
 import keras
@@ -24,6 +20,7 @@ from keras_mp._src import keras_internals
 from keras_mp._src.precision.policies import apply_amp
 from keras_mp._src.precision.policies import check_model
 from keras_mp._src.precision.policies import is_amp_model
+from keras_mp._src.tools import export_formats
 
 SERVING_DTYPES = ("float32", "float16", "bfloat16")
 
@@ -138,51 +135,6 @@ def _copy_weights(source, target):
         t.assign(np.array(keras.ops.convert_to_numpy(s.value), copy=True))
 
 
-# What each format's own runtime runs of the half dtypes; the rest is served
-# from a float32 copy (README's support table, `docs/guide.md`).
-RUNTIME_HALF = {
-    "tf_saved_model": ("float16", "bfloat16"),  # TensorFlow runs both
-    "torch": ("float16", "bfloat16"),  # torch.export: PyTorch runs both
-    # onnxruntime has no bfloat16 Relu, Conv or Einsum, and tf2onnx mixes
-    # float16 and bfloat16 in one op.
-    "onnx": ("float16",),
-    "openvino": ("float16",),  # no bfloat16 constants
-    # The interpreter's builtins are float32: a half MatMul becomes a Flex
-    # op it cannot run.
-    "litert": (),
-}
-FORMATS = tuple(RUNTIME_HALF)
-_RUNTIMES = {
-    "tf_saved_model": "TensorFlow",
-    "torch": "PyTorch",
-    "onnx": "onnxruntime",
-    "openvino": "OpenVINO",
-    "litert": "LiteRT's interpreter",
-}
-_keras_export = keras.Model.export
-
-
-def _check_format(format):
-    if format not in FORMATS:
-        raise ValueError(
-            f"`format` must be one of {', '.join(map(repr, FORMATS))} (the "
-            f"formats `keras.Model.export` writes). Received: format={format!r}"
-        )
-
-
-def served_dtype(model, format):
-    """What `model.export(format=...)` of a model whose precision keras_mp
-    set serves: None (the model as it is) where the format's runtime runs
-    every half dtype the model computes in, else `"float32"` (a float32
-    copy: exact for the model's half weights)."""
-    computed = {
-        keras.backend.standardize_dtype(layer.compute_dtype)
-        for layer in keras_internals.all_layers(model)
-    }
-    half = computed & {"float16", "bfloat16"}
-    return None if half <= set(RUNTIME_HALF[format]) else "float32"
-
-
 def export(
     model,
     filepath,
@@ -224,15 +176,8 @@ def export(
     """
     check_model(model)
     dtype = _check_dtype(dtype)
-    _check_format(format)
-    if dtype != "float32" and dtype not in RUNTIME_HALF[format]:
-        runs = " or ".join(repr(d) for d in ("float32", *RUNTIME_HALF[format]))
-        raise ValueError(
-            f"keras_mp.export: {_RUNTIMES[format]} cannot run a {dtype} model "
-            f"(format={format!r}). Export with dtype={runs} (float32 holds "
-            f"{dtype} weights exactly). Received: dtype={dtype!r}, "
-            f"format={format!r}"
-        )
+    export_formats.check_format(format)
+    export_formats.check_servable(dtype, format)
     if format == "tf_saved_model" and not backends.current.EXPORTS_SAVED_MODEL:
         raise NotImplementedError(
             "keras_mp.export: Keras cannot export a TensorFlow SavedModel from "
@@ -247,42 +192,7 @@ def export(
         # The model's own inputs (float32), read off the model that was
         # called (the copy carries them too: `serving_copy`).
         input_signature = _input_signature(model)
-    return _export_as_is(copy, filepath, format, verbose, input_signature, kwargs)
-
-
-def _export_as_is(model, filepath, format, verbose, input_signature, kwargs):
-    with _quiet_tensorflow_logs(verbose is False):
-        if format == "openvino" and backends.current.OPENVINO_THROUGH_ONNX:
-            return _openvino_through_onnx(model, filepath, verbose, input_signature, kwargs)
-        return _keras_export(
-            model,
-            filepath,
-            format=format,
-            verbose=verbose,
-            input_signature=input_signature,
-            **kwargs,
-        )
-
-
-def _openvino_through_onnx(model, filepath, verbose, input_signature, kwargs):
-    """OpenVINO from ONNX, where Keras's own path fails (see
-    `backends.common.OPENVINO_THROUGH_ONNX`)."""
-    import openvino
-
-    with tempfile.TemporaryDirectory() as directory:
-        onnx_path = os.path.join(directory, "model.onnx")
-        _keras_export(
-            model,
-            onnx_path,
-            format="onnx",
-            verbose=False,
-            input_signature=input_signature,
-            **kwargs,
-        )
-        converted = openvino.convert_model(onnx_path)
-        openvino.save_model(converted, str(filepath), compress_to_fp16=False)
-    if verbose is not False:
-        keras_internals.print_msg(f"Saved artifact at '{filepath}'.")
+    return export_formats.write(copy, filepath, format, verbose, input_signature, kwargs)
 
 
 def export_served(
@@ -292,7 +202,7 @@ def export_served(
     what the format's runtime can run (`served_dtype`). Other models get
     Keras's own."""
     if not is_amp_model(self):
-        return _keras_export(
+        return export_formats.keras_export(
             self,
             filepath,
             format=format,
@@ -300,8 +210,8 @@ def export_served(
             input_signature=input_signature,
             **kwargs,
         )
-    _check_format(format)
-    dtype = served_dtype(self, format)
+    export_formats.check_format(format)
+    dtype = export_formats.served_dtype(self, format)
     if dtype is not None:
         return export(
             self,
@@ -312,26 +222,10 @@ def export_served(
             input_signature=input_signature,
             **kwargs,
         )
-    return _export_as_is(self, filepath, format, verbose, input_signature, kwargs)
+    return export_formats.write(self, filepath, format, verbose, input_signature, kwargs)
 
 
 def install():
     """`keras.Model.export` serves what each format's runtime runs, for the
     models whose precision keras_mp set (idempotent)."""
-    keras.Model.export = functools.wraps(_keras_export)(export_served)
-
-
-@contextlib.contextmanager
-def _quiet_tensorflow_logs(quiet):
-    """`verbose=False` silences TensorFlow's INFO lines ("Assets written to")
-    too, which a notebook (or a program that logs at INFO) would show."""
-    if not quiet:
-        yield
-        return
-    logger = logging.getLogger("tensorflow")
-    level = logger.level
-    logger.setLevel(max(level, logging.WARNING))
-    try:
-        yield
-    finally:
-        logger.setLevel(level)
+    keras.Model.export = functools.wraps(export_formats.keras_export)(export_served)
