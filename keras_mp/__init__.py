@@ -9,7 +9,8 @@ The public API, in full (implementation lives in `keras_mp._src`):
   sublayers.
 - `precision_summary(model)`: who computes in what, and why.
 - `compile(model, ..., amp_level=...)`; `import keras_mp` also adds the amp
-  keywords to `keras.Model.compile` (and changes nothing else).
+  keywords to `keras.Model.compile` (and changes nothing else for models
+  keras_mp did not set the precision of).
 - `callbacks.OverflowGuard(patience=...)`: stops a run whose steps keep
   overflowing, with a message that says what to try.
 - `analyze(model, x, y)`: the precision doctor: activations against the half
@@ -18,8 +19,10 @@ The public API, in full (implementation lives in `keras_mp._src`):
 - `speed_report(model, x, level=..., dtype=..., gpu=...)`: why the level
   makes a step faster or not, and by how much at most, computed on any
   machine (FLOPs in half, tensor-core shapes, casts, bytes, launches).
-- `export(model, path, dtype="float32")`: a SavedModel of a copy computing in
-  the precision it is served in; `serving_copy(model, dtype)` is that copy.
+- `export(model, path, dtype="float32", format=...)`: a copy computing in
+  the precision it is served in, in any format `keras.Model.export` writes;
+  `serving_copy(model, dtype)` is that copy. `import keras_mp` also makes
+  `model.export` of a keras_mp model serve what each format's runtime runs.
 """
 
 from keras_mp import callbacks

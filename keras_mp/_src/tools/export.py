@@ -1,12 +1,13 @@
 """Serving a mixed-precision model: export a copy in the precision it is served in.
 
-A model trained at O1/O2/O3 exports as it is with `model.export(path)`: its
-inputs and outputs are float32 (keras_mp keeps the model's outputs float32 at
-every level), so the serving signature takes and returns float32. What that
-artifact computes is the training precision, though: float16 kernels, which a
-CPU runs one to two orders of magnitude slower than float32. `export` writes a
-copy of the model re-traced in the precision it will be served in, without
-touching the model being trained.
+A model trained at O1/O2/O3 exports with `model.export(path, format=...)`:
+its inputs and outputs are float32 (keras_mp keeps the model's outputs
+float32 at every level). What that artifact computes is the training
+precision where the format's runtime runs it (`export_formats`), and a
+float32 copy where it does not. `export` writes a copy of the model in the
+precision it will be served in (float32 for a CPU, which runs float16
+kernels one to two orders of magnitude slower), without touching the model
+being trained: `serving_copy` shares no buffer with it.
 """
 
 import functools
