@@ -47,8 +47,13 @@ _RUNTIMES = {
     "tf_saved_model": "tensorflow",
     "torch": "torch",
 }
-_SUFFIX = {"tf_saved_model": "", "onnx": ".onnx", "litert": ".tflite", "openvino": ".xml"}
-_SUFFIX["torch"] = ".pt2"
+_SUFFIX = {
+    "tf_saved_model": "",
+    "onnx": ".onnx",
+    "litert": ".tflite",
+    "openvino": ".xml",
+    "torch": ".pt2",
+}
 CELLS = [
     ("O0", "float32"),
     ("O1", "float16"),
