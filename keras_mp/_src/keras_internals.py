@@ -132,6 +132,18 @@ def consumed_operations(model):
     return consumed
 
 
+def operations_from_inputs(model):
+    """A functional model's operations from its inputs on, each with the
+    operations whose outputs it takes in: `[(operation, [parents])]`, every
+    operation after its parents (an input layer has none)."""
+    found = []
+    by_depth = getattr(model, "_nodes_by_depth", None) or {}
+    for depth in sorted(by_depth, reverse=True):
+        for node in by_depth[depth]:
+            found.append((node.operation, [p.operation for p in node.parent_nodes]))
+    return found
+
+
 def attributes(layer):
     """A layer's attributes by name, its sublayers included (on PyTorch a
     layer is a `torch.nn.Module`, which keeps its sublayers in `_modules`)."""

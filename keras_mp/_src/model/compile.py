@@ -40,7 +40,9 @@ def compile(model, *args, **kwargs):
         model: a `keras.Model`.
         *args, **kwargs: `keras.Model.compile`'s arguments, plus
             `amp_level` ("O0"-"O3" or "auto"), `amp_dtype` ("float16" or
-            "bfloat16"), `loss_scale` ("dynamic", a number for a fixed scale,
+            "bfloat16", or "float8" at O2/O3: FP8 matmuls, bfloat16
+            elsewhere, with `float8_recipe`, a `keras_mp.Float8Recipe` or
+            a dict of its arguments), `loss_scale` ("dynamic", a number for a fixed scale,
             or None), `keep_batchnorm_fp32`, `master_weights` (None:
             True; O3's half variables are updated through float32 copies),
             `amp_allow`/`amp_deny`: `apply_amp`'s `allow`/`deny` (None:
@@ -67,6 +69,7 @@ def _compile_with_amp(
     amp_allow=None,
     amp_deny=None,
     shard_optimizer_state=False,
+    float8_recipe=None,
     **kwargs,
 ):
     if amp_level is None:
@@ -97,6 +100,7 @@ def _compile_with_amp(
         allow if amp_allow is None else amp_allow,
         deny if amp_deny is None else amp_deny,
         shard_optimizer_state,
+        float8_recipe,
     )
     bound = _keras_compile_signature.bind(self, *args, **kwargs)
     bound.apply_defaults()
@@ -122,7 +126,7 @@ def _compile_with_amp(
     keras_internals.record_in_compile_config(
         self,
         amp_level=amp.name,
-        amp_dtype=amp.half,
+        amp_dtype=amp.dtype_name,
         loss_scale=amp.loss_scale,
         keep_batchnorm_fp32=keep_batchnorm_fp32,
         master_weights=amp.master_weights,

@@ -18,10 +18,13 @@ from keras_mp._src.optimizer import zero
 from keras_mp._src.optimizer.loss_scale import MAX_SCALE
 from keras_mp._src.optimizer.master_weights import COMPENSATED
 from keras_mp._src.optimizer.master_weights import check_master_weights
+from keras_mp._src.precision import float8
 from keras_mp._src.precision.auto_level import pick_auto_level
+from keras_mp._src.precision.levels import FLOAT8
 from keras_mp._src.precision.levels import LEVELS
 from keras_mp._src.precision.levels import Compute
 from keras_mp._src.precision.levels import Level
+from keras_mp._src.precision.levels import check_float8_level
 from keras_mp._src.precision.levels import check_half_dtype
 from keras_mp._src.precision.levels import get_level
 
@@ -43,6 +46,9 @@ class AmpSettings:
         master_weights: None (True), True, False or `"compensated"`.
         shard_optimizer_state: bool; True shards the optimizer's state
             over the data-parallel replicas (`zero.py`).
+        float8: a `Float8Recipe` where the level computes its chosen
+            matmuls in FP8 (`amp_dtype="float8"`; `half` is then bfloat16),
+            else None.
     """
 
     level: Level
@@ -53,10 +59,16 @@ class AmpSettings:
     loss_scale: object = None
     master_weights: object = None
     shard_optimizer_state: bool = False
+    float8: object = None
 
     @property
     def name(self):
         return self.level.name
+
+    @property
+    def dtype_name(self):
+        """The dtype as the user named it: the half dtype, or `"float8"`."""
+        return FLOAT8 if self.float8 is not None else self.half
 
     @property
     def compute(self):
@@ -137,10 +149,33 @@ def _keep_batchnorm_fp32(value, level):
     return level.keep_batchnorm_fp32_default if value is None else value
 
 
-def for_layers(level, dtype="float16", keep_batchnorm_fp32=None, allow=None, deny=None):
+def _float8(level, dtype, recipe, argument, dtype_argument, recipe_argument):
+    """(half, recipe or None) of a checked dtype: FP8 computes in bfloat16
+    around its matmuls, at O2 and O3 only."""
+    if dtype != FLOAT8:
+        if recipe is not None:
+            raise ValueError(
+                f"`{recipe_argument}` needs `{dtype_argument}='float8'`. "
+                f"Received: {dtype_argument}={dtype!r}, {recipe_argument}={recipe!r}"
+            )
+        return dtype, None
+    check_float8_level(level, argument, dtype_argument)
+    return "bfloat16", float8.check_recipe(recipe, recipe_argument)
+
+
+def for_layers(
+    level, dtype="float16", keep_batchnorm_fp32=None, allow=None, deny=None, float8_recipe=None
+):
     """`apply_amp`'s settings: its arguments checked, named as it names them."""
     level = get_level(level)
-    half = check_half_dtype(dtype)
+    half, recipe = _float8(
+        level,
+        check_half_dtype(dtype, float8=True),
+        float8_recipe,
+        "level",
+        "dtype",
+        "float8_recipe",
+    )
     check_keep_batchnorm_fp32(keep_batchnorm_fp32)
     return AmpSettings(
         level,
@@ -148,6 +183,7 @@ def for_layers(level, dtype="float16", keep_batchnorm_fp32=None, allow=None, den
         _keep_batchnorm_fp32(keep_batchnorm_fp32, level),
         allow=check_layer_list(allow, "allow"),
         deny=check_layer_list(deny, "deny"),
+        float8=recipe,
     )
 
 
@@ -160,11 +196,20 @@ def for_compile(
     amp_allow=(),
     amp_deny=(),
     shard_optimizer_state=False,
+    float8_recipe=None,
 ):
     """`compile(amp_level=...)`'s settings; `"auto"` is picked here, once."""
     if amp_level != "auto":
         get_level(amp_level, "amp_level", also=("auto",))
-    given_half = None if amp_dtype is DEFAULT else check_half_dtype(amp_dtype, "amp_dtype")
+    given_half = (
+        None if amp_dtype is DEFAULT else check_half_dtype(amp_dtype, "amp_dtype", float8=True)
+    )
+    if given_half == FLOAT8 and amp_level == "auto":
+        raise ValueError(
+            "`amp_dtype='float8'` needs `amp_level` to be 'O2' or 'O3' (FP8 "
+            "matmuls, bfloat16 elsewhere); 'auto' picks a level for the machine "
+            "it runs on. Received: amp_level='auto', amp_dtype='float8'"
+        )
     check_loss_scale(loss_scale)
     check_keep_batchnorm_fp32(keep_batchnorm_fp32)
     check_master_weights(master_weights, allowed_none=True)
@@ -187,6 +232,7 @@ def for_compile(
     else:
         level = get_level(amp_level)
         half = given_half or "float16"
+    half, recipe = _float8(level, half, float8_recipe, "amp_level", "amp_dtype", "float8_recipe")
     if master_weights == COMPENSATED and half == "float16":
         raise ValueError(
             "`master_weights='compensated'` compensates bfloat16 variables; "
@@ -214,6 +260,7 @@ def for_compile(
         loss_scale,
         master_weights,
         shard_optimizer_state,
+        recipe,
     )
 
 
@@ -221,7 +268,7 @@ def needs_level_message(**given):
     """The error of amp keywords given without `amp_level`."""
     return (
         "`amp_dtype`, `loss_scale`, `keep_batchnorm_fp32`, `master_weights`, "
-        "`amp_allow`, `amp_deny` and `shard_optimizer_state` need `amp_level` "
+        "`amp_allow`, `amp_deny`, `shard_optimizer_state` and `float8_recipe` need `amp_level` "
         f"(one of {', '.join(LEVELS)} or 'auto'). Received: amp_level=None, "
         + ", ".join(f"{k}={v!r}" for k, v in given.items())
     )

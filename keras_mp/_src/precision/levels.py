@@ -22,6 +22,9 @@ import enum
 
 LEVELS = ("O0", "O1", "O2", "O3")
 HALF_DTYPES = ("float16", "bfloat16")
+# FP8: the matmuls the rules choose in 8 bits, bfloat16 elsewhere (O2, O3).
+FLOAT8 = "float8"
+FLOAT8_LEVELS = ("O2", "O3")
 
 
 class Compute(enum.Enum):
@@ -67,11 +70,24 @@ def get_level(level, argument="level", also=()):
     return LEVEL_TABLE[level.upper()]
 
 
-def check_half_dtype(dtype, argument="dtype"):
-    """Returns `dtype` as a string if it is a half dtype, else raises."""
+def check_half_dtype(dtype, argument="dtype", float8=False):
+    """Returns `dtype` as a string if it is a half dtype (or `"float8"`
+    where `float8`), else raises."""
     name = getattr(dtype, "name", dtype)
-    if name not in HALF_DTYPES:
+    allowed = HALF_DTYPES + ((FLOAT8,) if float8 else ())
+    if not isinstance(name, str) or name not in allowed:
         raise ValueError(
-            f"`{argument}` must be one of {', '.join(HALF_DTYPES)}. Received: {argument}={dtype!r}"
+            f"`{argument}` must be one of {', '.join(allowed)}. Received: {argument}={dtype!r}"
         )
     return name
+
+
+def check_float8_level(level, argument="level", dtype_argument="dtype"):
+    """FP8 is a choice of matmuls at the levels that compute in half beyond
+    an allow-list: O2 and O3."""
+    if level.name not in FLOAT8_LEVELS:
+        raise ValueError(
+            f"`{dtype_argument}='float8'` needs `{argument}` to be one of "
+            f"{', '.join(FLOAT8_LEVELS)} (FP8 matmuls, bfloat16 elsewhere). "
+            f"Received: {argument}={level.name!r}, {dtype_argument}='float8'"
+        )

@@ -14,6 +14,7 @@ from keras_mp._src import keras_internals
 from keras_mp._src.precision import amp_settings
 from keras_mp._src.precision import boundaries
 from keras_mp._src.precision import fallback
+from keras_mp._src.precision import float8
 from keras_mp._src.precision import layer_kinds
 from keras_mp._src.precision import layer_tree
 from keras_mp._src.precision import rules
@@ -63,6 +64,7 @@ def apply_amp(
     keep_batchnorm_fp32=None,
     allow=None,
     deny=None,
+    float8_recipe=None,
 ):
     """Sets every layer's dtype policy for a precision level.
 
@@ -98,11 +100,18 @@ def apply_amp(
         model: a Keras model (Sequential, functional or subclassed) or layer,
             built or not.
         level: one of `"O0"`, `"O1"`, `"O2"`, `"O3"`.
-        dtype: the half dtype, `"float16"` or `"bfloat16"`.
+        dtype: the half dtype, `"float16"` or `"bfloat16"`; or `"float8"`
+            (O2, O3): the Dense and EinsumDense layers whose GEMM dimensions
+            are multiples of 16, but for the first and the output layers,
+            compute their matmuls in FP8 through Keras's float8 path (E4M3
+            forward, E5M2 gradients, delayed per-tensor scaling), every
+            other layer as at the level in bfloat16.
         keep_batchnorm_fp32: bool or `None` (float32 BatchNorm except at O3).
         allow: layer classes, names or layers to add to the allow-list
             (O1), or, at O2, your own composite layers to run in half.
         deny: layer classes, names or layers to add to the deny-list (O2).
+        float8_recipe: with `dtype="float8"`: a `keras_mp.Float8Recipe`
+            (or a dict of its arguments); None: its defaults.
 
     Returns:
         `model`, changed in place.
@@ -122,7 +131,10 @@ def apply_amp(
     ['mixed_float16', 'float32', 'float32']
     """
     check_model(model)
-    return apply(model, amp_settings.for_layers(level, dtype, keep_batchnorm_fp32, allow, deny))
+    return apply(
+        model,
+        amp_settings.for_layers(level, dtype, keep_batchnorm_fp32, allow, deny, float8_recipe),
+    )
 
 
 def apply(model, amp):
@@ -148,6 +160,7 @@ def decide_all(model, amp, outputs=None):
     decisions = []
     inside_allowed = set()  # ids of layers inside an allow-listed one (O1)
     inside_denied = set()  # ids of layers inside a nested model named in `deny=`
+    first = float8.first_layers(model) if amp.float8 is not None else set()
     allow = ALLOW_LIST + amp.allow
     for layer, parent in layer_tree.tree(model):
         if parent is not None and (
@@ -167,6 +180,7 @@ def decide_all(model, amp, outputs=None):
             output=any(layer is o for o in outputs),
             inside_allowed=id(layer) in inside_allowed,
             inside_denied=id(layer) in inside_denied,
+            first=id(layer) in first,
         )
         decisions.append((layer, rules.decide(layer, place)))
     return decisions
@@ -261,10 +275,19 @@ def _set_policy(layer, policy_name, rule):
     keep_config_loadable(layer)
     policy = keras.dtype_policies.get(policy_name)
     previous = layer.dtype_policy.variable_dtype
-    layer.dtype_policy = policy
+    quantizes = policy.quantization_mode is not None and layer.built
+    if quantizes:
+        # Keras's float8 policy quantizes a built layer when set (its scales
+        # and amax histories): its variables take the dtype first.
+        layer.dtype_policy = float8.source_of(policy)
+    else:
+        layer.dtype_policy = policy
     if not layer_tree.is_container(layer) and layer_kinds.runs_users_code(layer):
         fallback.watch(layer)  # your code: float32 if its call cannot run in half
-    return layer.built and _convert_own_variables(layer, previous, policy.variable_dtype)
+    changed = layer.built and _convert_own_variables(layer, previous, policy.variable_dtype)
+    if quantizes:
+        layer.dtype_policy = policy
+    return changed or quantizes
 
 
 _LORA_WEIGHTS = ("lora_kernel_a", "lora_kernel_b", "lora_embeddings_a", "lora_embeddings_b")

@@ -10,8 +10,10 @@ test): `docs/design.md`, "Adding a rule". The kinds of layer the rows ask
 about, and the lists, are `layer_kinds.py`.
 
 Policies: `FLOAT32`; `MIXED` (half compute, float32 variables); `HALF` (half
-compute and variables, O3); `CONTAINER` (a nested model's policy: it casts
-its inputs); `KEEP` (the layer's own policy stays). `{level}` in a reason is
+compute and variables, O3); `LEVEL_HALF` (`MIXED` at O2, `HALF` at O3);
+`FLOAT8` (Keras's float8 policy around `LEVEL_HALF`: the matmul in FP8,
+`float8.py`); `CONTAINER` (a nested model's policy: it casts its inputs);
+`KEEP` (the layer's own policy stays). `{level}` in a reason is
 the level's name; `{policy}` and `{compute}` the layer's own.
 """
 
@@ -21,6 +23,7 @@ import warnings
 import keras
 
 from keras_mp._src import backends
+from keras_mp._src.precision import float8
 from keras_mp._src.precision import layer_tree
 from keras_mp._src.precision.layer_kinds import ALLOW_LIST
 from keras_mp._src.precision.layer_kinds import DENY_LIST
@@ -46,6 +49,8 @@ from keras_mp._src.precision.levels import Compute
 FLOAT32 = "float32"
 MIXED = "mixed"
 HALF = "half"
+LEVEL_HALF = "level half"
+FLOAT8 = "float8"
 CONTAINER = "container"
 KEEP = "keep"
 
@@ -64,6 +69,7 @@ class Place:
         output: whether its outputs are the model's outputs.
         inside_allowed: whether it sits inside an allow-listed layer (O1).
         inside_denied: whether it sits inside a nested model named in `deny=`.
+        first: whether it takes the model's raw inputs (`float8.first_layers`).
     """
 
     amp: object
@@ -72,6 +78,7 @@ class Place:
     output: bool = False
     inside_allowed: bool = False
     inside_denied: bool = False
+    first: bool = False
 
 
 # -- conditions: (layer, place) -> bool -----------------------------------------
@@ -99,6 +106,15 @@ def is_container(layer, place):
 
 def is_output(layer, place):
     return place.output
+
+
+def is_first(layer, place):
+    return place.first
+
+
+def in_float8(layer, place):
+    """The level computes its chosen matmuls in FP8 (`amp_dtype="float8"`)."""
+    return place.amp.float8 is not None
 
 
 def inside_allowed(layer, place):
@@ -216,7 +232,32 @@ KEPT = (
     Rule((layer_is(computes_no_float),), KEEP, "{compute} outputs: kept"),
 )
 
-RULES = KEPT + (
+# FP8 (`amp_dtype="float8"`, O2 and O3): Keras's float8 Dense and
+# EinsumDense, but for the first and the output layers (Transformer Engine's
+# recipes keep them in higher precision) and GEMMs FP8 cannot run; bfloat16
+# elsewhere. `allow=` puts a first or output layer, or a misaligned one, in
+# FP8; `deny=` keeps a layer float32 (above).
+_FP8 = (in_float8, layer_is(float8.has_float8_path))
+FLOAT8_RULES = (
+    Rule(_FP8 + (is_output, not_user_allowed), LEVEL_HALF, "{level} float8: output layer in bfloat16 (allow= for FP8)"),
+    Rule(_FP8 + (is_first, not_user_allowed), LEVEL_HALF, "{level} float8: first layer in bfloat16 (allow= for FP8)"),
+    Rule(
+        _FP8 + (layer_is(float8.misaligned), not_user_allowed),
+        LEVEL_HALF,
+        "{level} float8: {misaligned} not a multiple of 16, bfloat16",
+    ),
+    Rule(_FP8, FLOAT8, "{level} float8: matmul in FP8 (E4M3 forward, E5M2 gradients)"),
+)
+
+RULES = (
+    # A layer FP8 already (a model saved at this level, loaded): kept, as the
+    # quantized below, under the FP8 reason.
+    Rule(
+        (in_float8, layer_is(float8.is_float8)),
+        KEEP,
+        "{level} float8: matmul in FP8 (E4M3 forward, E5M2 gradients)",
+    ),
+) + KEPT + (
     # The model's structure.
     Rule((is_model_io,), FLOAT32, "{level}: model, float32 inputs and outputs"),
     # A nested model named in `deny=` is float32 through and through (an
@@ -301,6 +342,7 @@ RULES = KEPT + (
     Rule((computes(Compute.ALLOW),), FLOAT32, "{level}: not on the allow-list"),
     # O2: all but the deny-list.
     Rule((computes(Compute.DENY), denied), FLOAT32, "{level} deny-list"),
+) + FLOAT8_RULES + (
     Rule((computes(Compute.DENY),), MIXED, "{level}: half compute, float32 variables"),
     # O3: everything.
     Rule((keep_batchnorm_fp32,), FLOAT32, "{level}: keep_batchnorm_fp32=True"),
@@ -336,18 +378,25 @@ def kept_reason(layer):
 
 
 def _policy(policy, amp):
+    """The policy's name, or Keras's float8 policy object for `FLOAT8`."""
+    level_half = amp.half if amp.compute is Compute.ALL else amp.mixed
+    if policy == FLOAT8:
+        return float8.policy(level_half, amp.float8)
     return {
         FLOAT32: "float32",
         MIXED: amp.mixed,
         HALF: amp.half,
+        LEVEL_HALF: level_half,
         CONTAINER: amp.container_policy,
         KEEP: None,
     }[policy]
 
 
 def _reason(reason, layer, amp):
+    level = getattr(amp, "name", "")
     return reason.format(
-        level=getattr(amp, "name", ""),
+        level=level,
         policy=layer.dtype_policy.name,
         compute=keras.backend.standardize_dtype(layer.compute_dtype),
+        misaligned=float8.misaligned(layer) if "{misaligned}" in reason else "",
     )

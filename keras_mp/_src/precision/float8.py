@@ -1,0 +1,194 @@
+"""FP8 as a level's dtype: which matmuls compute in 8 bits, and the recipe.
+
+`amp_dtype="float8"` (O2, O3) computes in bfloat16 everywhere the level
+computes in half, and the matmuls the rules choose (`rules.py`) through
+Keras's own float8 path: a Dense or EinsumDense whose dtype policy is
+`float8_from_mixed_bfloat16` (O2) or `float8_from_bfloat16` (O3) quantizes
+its inputs and kernel to E4M3 and its output gradient to E5M2, each with a
+per-tensor scale from a history of amax values (delayed scaling, as
+Transformer Engine's `DelayedScaling` and Accelerate's `FP8RecipeKwargs`).
+XLA rewrites each quantize-dequantize around a dot into an FP8 GEMM on a GPU
+that has them (H100, H200, L4); elsewhere the program computes the same
+numbers in bfloat16.
+
+The scales and histories are variables of the layer (`overwrite_with_gradient`:
+the optimizer writes their new values); a skipped step leaves them as they
+were, as it leaves the weights.
+"""
+
+import dataclasses
+import math
+
+import keras
+
+from keras_mp._src import keras_internals
+from keras_mp._src.precision import layer_tree
+from keras_mp._src.precision.layer_kinds import ALLOW_LIST
+
+# Keras's float8 layers, by exact class: a subclass's own `call` would be
+# bypassed by Keras's `quantized_call` (and `quantize` refuses subclasses).
+FLOAT8_CLASSES = (keras.layers.Dense, keras.layers.EinsumDense)
+# FP8 GEMMs (cuBLASLt) need the contracted and output dimensions to be
+# multiples of 16.
+FLOAT8_MULTIPLE = 16
+FORMATS = ("hybrid",)
+AMAX_ALGORITHMS = ("max",)
+
+
+@dataclasses.dataclass(frozen=True)
+class Float8Recipe:
+    """How FP8 matmuls are scaled (delayed per-tensor scaling).
+
+    The names follow Keras's `QuantizedFloat8DTypePolicy` and Transformer
+    Engine's `DelayedScaling`; the defaults are theirs (and Accelerate's).
+
+    Args:
+        amax_history_length: how many steps of amax values a scale is
+            computed from (the maximum over the window). Default 1024.
+        fp8_format: `"hybrid"`: E4M3 forward (inputs, kernel), E5M2 for the
+            output gradient. Keras's float8 layers compute this format only.
+        amax_compute_algo: `"max"`: the maximum of the history. Keras's
+            float8 layers compute this one only.
+        margin: the scale leaves `2**margin` of headroom below the format's
+            maximum. Keras's float8 layers compute with 0 only.
+    """
+
+    amax_history_length: int = 1024
+    fp8_format: str = "hybrid"
+    amax_compute_algo: str = "max"
+    margin: int = 0
+
+    def __post_init__(self):
+        n = self.amax_history_length
+        if isinstance(n, bool) or not isinstance(n, int) or n < 1:
+            raise ValueError(
+                "`amax_history_length` must be an integer of at least 1. "
+                f"Received: amax_history_length={n!r}"
+            )
+        _check_fixed("fp8_format", self.fp8_format, FORMATS)
+        _check_fixed("amax_compute_algo", self.amax_compute_algo, AMAX_ALGORITHMS)
+        _check_fixed("margin", self.margin, (0,))
+
+    def get_config(self):
+        return dataclasses.asdict(self)
+
+
+def _check_fixed(argument, value, allowed):
+    if isinstance(value, bool) or value not in allowed:
+        raise ValueError(
+            f"`{argument}` must be one of {', '.join(repr(a) for a in allowed)}: "
+            f"Keras's float8 layers compute with these only. "
+            f"Received: {argument}={value!r}"
+        )
+
+
+def check_recipe(recipe, argument="float8_recipe"):
+    """`recipe` as a `Float8Recipe` (None: the defaults; a dict: its keys)."""
+    if recipe is None:
+        return Float8Recipe()
+    if isinstance(recipe, Float8Recipe):
+        return recipe
+    if isinstance(recipe, dict):
+        unknown = sorted(set(recipe) - {f.name for f in dataclasses.fields(Float8Recipe)})
+        if unknown:
+            raise ValueError(
+                f"`{argument}` has unknown keys {unknown}; allowed: "
+                f"{', '.join(f.name for f in dataclasses.fields(Float8Recipe))}. "
+                f"Received: {argument}={recipe!r}"
+            )
+        return Float8Recipe(**recipe)
+    raise TypeError(
+        f"`{argument}` must be a `keras_mp.Float8Recipe`, a dict of its "
+        f"arguments, or None. Received: {argument}={recipe!r}"
+    )
+
+
+def policy(source, recipe):
+    """The Keras float8 policy computing like `source` around its FP8 matmul."""
+    return keras.dtype_policies.QuantizedFloat8DTypePolicy(
+        "float8", source, amax_history_length=recipe.amax_history_length
+    )
+
+
+def source_of(policy):
+    """The policy a float8 policy computes like around its FP8 matmul."""
+    return keras.dtype_policies.get(policy.name.split("_from_", 1)[1])
+
+
+def is_float8(layer):
+    return layer.dtype_policy.quantization_mode == "float8"
+
+
+def has_float8_path(layer):
+    """A Dense or EinsumDense of Keras's own (not a subclass), without LoRA
+    (Keras's float8 call has none)."""
+    return type(layer) in FLOAT8_CLASSES and not getattr(layer, "lora_enabled", False)
+
+
+def gemm_dims(layer):
+    """The dimensions of the layer's GEMM that FP8 needs aligned, as
+    `{name: size}`: the contracted one (`input_dim`) and the output one
+    (`units`); EinsumDense's flattened. Only those known before the layer
+    is built are given for an unbuilt one."""
+    kernel = getattr(layer, "_kernel", None) if layer.built else None
+    if isinstance(layer, keras.layers.EinsumDense):
+        if kernel is None:
+            return {}
+        inputs, rest = layer.equation.split(",")
+        weights = rest.split("->")[0]
+        shape = dict(zip(weights, kernel.shape))
+        contracted = math.prod(size for axis, size in shape.items() if axis in inputs)
+        return {"input_dim": contracted, "units": math.prod(kernel.shape) // contracted}
+    dims = {"units": layer.units}
+    if kernel is not None:
+        dims["input_dim"] = kernel.shape[0]
+    return dims
+
+
+def misaligned(layer):
+    """`"units=250"`-style text of the GEMM dimensions that are not multiples
+    of 16, or None."""
+    bad = [f"{k}={v}" for k, v in gemm_dims(layer).items() if v % FLOAT8_MULTIPLE]
+    return ", ".join(bad) or None
+
+
+def _weighs_inputs(layer):
+    """A layer that turns what it takes in into features with weights of
+    its own (a matmul, a convolution, an embedding lookup): what comes after
+    it is no longer the model's raw input."""
+    return isinstance(layer, ALLOW_LIST + (keras.layers.Embedding,))
+
+
+def first_layers(model):
+    """Ids of the layers that take the model's raw inputs: the first layer
+    with weights on each path from an input (looking inside nested models).
+    Transformer Engine's recipes keep them, as the output layer, out of FP8.
+    A subclassed model's order of calls is unknown: its first such layer
+    in the order it holds them."""
+    first = set()
+    if layer_tree.is_subclassed(model):
+        for layer in layer_tree.layers_in_order(model)[1:]:
+            if not layer_tree.is_container(layer) and _weighs_inputs(layer):
+                first.add(id(layer))
+                break
+        return first
+    if isinstance(model, keras.Sequential):
+        operations = [(layer, []) for layer in model.layers]
+        for i in range(1, len(operations)):
+            operations[i] = (operations[i][0], [operations[i - 1][0]])
+    else:
+        operations = keras_internals.operations_from_inputs(model)
+    raw = set()  # ids of operations whose outputs are still the raw inputs
+    for operation, parents in operations:
+        if not all(id(p) in raw for p in parents):
+            continue
+        if layer_tree.is_container(operation):
+            inner = first_layers(operation)
+            first |= inner
+            if not inner:
+                raw.add(id(operation))
+        elif _weighs_inputs(operation):
+            first.add(id(operation))
+        else:
+            raw.add(id(operation))
+    return first
