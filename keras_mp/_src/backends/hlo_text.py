@@ -16,7 +16,7 @@ write.
 import collections
 import re
 
-_ARRAY = re.compile(r"([a-z]+\d*)\[([\d,]*)\]")
+_ARRAY = re.compile(r"([a-z][a-z0-9]*)\[([\d,]*)\]")
 _COMPUTATION = re.compile(r"^(?:ENTRY )?%?([\w.\-]+) .*\{\s*$")
 _INSTRUCTION = re.compile(r"^\s*(?:ROOT )?%?([\w.\-]+) = (.+?) ([a-z][\w\-]*)\((.*)$")
 _GEMMS = ("__cublas$gemm", "__cublas$lt$matmul", "__cublas$lt$matmul$f8")
@@ -25,6 +25,11 @@ _BYTES = {"pred": 1, "s8": 1, "u8": 1, "f16": 2, "bf16": 2, "s16": 2, "f32": 4, 
 _MOVES = {"parameter", "bitcast", "reshape", "transpose", "copy", "broadcast", "tuple"}
 _MOVES |= {"get-tuple-element", "constant", "slice", "convert"}
 DTYPES = {"f16": "float16", "bf16": "bfloat16", "f32": "float32", "f64": "float64"}
+# An FP8 GEMM's operands (after XLA's rewrite on a GPU).
+DTYPES.update({"f8e4m3fn": "float8", "f8e5m2": "float8"})
+# What carries an FP8-dequantized value on to a dot unchanged but for its
+# scale (Keras's quantize-dequantize: convert to f8, convert back, multiply).
+_CARRIES = {"multiply", "transpose", "reshape", "bitcast", "copy"}
 
 
 def _arrays(text):
@@ -52,7 +57,8 @@ def _dims(text, key):
 
 def _operands(arguments, shapes):
     """The arrays of an instruction's operands (written beside each, or the
-    shapes of the instructions it names), and the text after them."""
+    shapes of the instructions it names), their names, and the text after
+    them."""
     depth, end = 1, 0
     for end, char in enumerate(arguments):
         depth += {"(": 1, ")": -1}.get(char, 0)
@@ -60,10 +66,10 @@ def _operands(arguments, shapes):
             break
     listed = arguments[:end]
     arrays = _arrays(listed)
+    names = [n for n in re.findall(r"%?([\w.\-]+)", _ARRAY.sub("", listed)) if n in shapes]
     if not arrays:
-        names = re.findall(r"%?([\w.\-]+)", listed)
-        arrays = [shapes[name] for name in names if name in shapes]
-    return arrays, arguments[end:]
+        arrays = [shapes[name] for name in names]
+    return arrays, names, arguments[end:]
 
 
 def _conv_flops(output, operands, attributes, form):
@@ -88,9 +94,12 @@ def _dot_flops(output, operands, attributes, key):
 def census(text):
     """`(matmuls, converts, convert_bytes)` of an HLO module's text:
     `matmuls` a list of `(kind, dtype, flops)` ("dot" or "convolution"; the
-    dtype of the first operand, "float16 x float32" when the two differ)."""
+    dtype of the first operand, "float16 x float32" when the two differ;
+    "float8" for a dot of two FP8 operands, or of two values dequantized
+    from FP8, the pattern XLA rewrites into an FP8 GEMM on a GPU)."""
     matmuls = []
     computations, current, shapes, fusions = {}, None, {}, []
+    dequantized = set()  # names of values dequantized from FP8 (scaled, moved)
     for line in text.splitlines():
         head = _COMPUTATION.match(line)
         if head and "=" not in line.split("{")[0]:
@@ -104,8 +113,12 @@ def census(text):
             current.append(op)
         output = (_arrays(shape) or [("", [])])[0]
         shapes[name] = output
-        operands, attributes = _operands(rest, shapes)
+        operands, names, attributes = _operands(rest, shapes)
         kind, flops = None, 0
+        if (op == "convert" and operands and DTYPES.get(operands[0][0]) == "float8") or (
+            op in _CARRIES and any(n in dequantized for n in names)
+        ):
+            dequantized.add(name)
         if op == "fusion":
             called = re.search(r"calls=%?([\w.\-]+)", attributes)
             if called:
@@ -128,7 +141,8 @@ def census(text):
                     form = "backward_filter"
                 kind, flops = "convolution", _conv_flops(output, operands, attributes, form)
         if kind is not None:
-            matmuls.append((kind, _dtype_of(operands), flops))
+            fp8 = len(names) >= 2 and all(n in dequantized for n in names[:2])
+            matmuls.append((kind, "float8" if fp8 else _dtype_of(operands), flops))
     converts = collections.Counter()
     for shape, called in fusions:
         ops = set(computations.get(called, ()))

@@ -6,6 +6,8 @@ body, a `cond`'s branches), each counted once where referenced.
 FLOPs from the operands' static shapes: `MatMul` 2MNK, `BatchMatMul` 2BMNK,
 `Einsum` 2 x the product of every index's size, a convolution (any of its
 three forms) 2 x its forward output's elements x the taps each sums.
+A matmul of two values cast from FP8 and back (Keras's float8 layers) is
+"float8": the pattern XLA rewrites into an FP8 GEMM on a GPU.
 """
 
 import math
@@ -79,6 +81,8 @@ def _census(op):
             adjoint_x = op.get_attr("adj_x")
             k = a[-2] if adjoint_x else a[-1]
             flops = 2 * math.prod(_shape(op.outputs[0])) * k
+        if all(_dequantized(t) for t in op.inputs[:2]):
+            return "dot", "float8", flops
         return "dot", _dtype(op.inputs[0]), flops
     if op.type in _CONVOLUTIONS:
         _, kernel, output = (
@@ -90,6 +94,26 @@ def _census(op):
         taps = math.prod(shape[:-2] if op.type.startswith("Depthwise") else shape[:-1])
         return "convolution", _dtype(output), 2 * math.prod(_shape(output)) * taps
     return None
+
+
+# What carries a value dequantized from FP8 on to a matmul unchanged but
+# for its scale (Keras's quantize-dequantize: cast to float8, cast back,
+# multiply by the scale).
+_CARRIES = ("Mul", "Identity", "Transpose", "Reshape")
+
+
+def _dequantized(tensor, depth=4):
+    """Whether `tensor` is a value cast from FP8 (scaled or moved)."""
+    op = tensor.op
+    if op.type == "Cast" and op.inputs[0].dtype.name.startswith("float8"):
+        return True
+    if op.type == "IdentityN" and depth:  # a custom gradient's forward: output i is input i
+        return _dequantized(op.inputs[tensor.value_index], depth - 1)
+    return (
+        bool(depth)
+        and op.type in _CARRIES
+        and any(_dequantized(t, depth - 1) for t in op.inputs if t.dtype.is_floating)
+    )
 
 
 def _einsum_size(equation, a, b):

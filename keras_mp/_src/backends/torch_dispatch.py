@@ -7,10 +7,13 @@ FLOPs from the operands' shapes: `mm`/`addmm` 2MNK, `bmm`/`baddbmm` 2BMNK,
 `convolution` 2 x its output's elements x the taps each sums, and
 `convolution_backward` the same for each gradient it computes; fused
 attention (`scaled_dot_product_*`) 4 x batch x heads x queries x keys x
-head size forward, twice that backward.
+head size forward, twice that backward. A matmul of two values cast from
+FP8 and back (Keras's float8 layers: scaled, viewed, transposed) is
+"float8".
 """
 
 import math
+import weakref
 
 from keras_mp._src import keras_internals
 
@@ -22,11 +25,27 @@ def matmuls_of_one_step(model, data):
     from torch.utils._python_dispatch import TorchDispatchMode
 
     found = []
+    dequantized = {}  # id -> weak reference: tensors cast from FP8 (scaled, moved)
+
+    def marked(tensor):
+        ref = dequantized.get(id(tensor))
+        return ref is not None and ref() is tensor
 
     class Census(TorchDispatchMode):
         def __torch_dispatch__(self, func, types, args=(), kwargs=None):
             out = func(*args, **(kwargs or {}))
-            entry = _census(func.overloadpacket.__name__, args, out)
+            name = func.overloadpacket.__name__
+            tensors = [a for a in args if isinstance(a, torch.Tensor)]
+            if isinstance(out, torch.Tensor) and (
+                (name == "_to_copy" and tensors and "float8" in _dtype(tensors[0]))
+                or (name in _CARRIES and any(marked(t) for t in tensors))
+            ):
+                dequantized[id(out)] = weakref.ref(out)
+            entry = _census(name, args, out)
+            if entry is not None and entry[0] == "dot":
+                operands = tensors[-2:]
+                if len(operands) == 2 and all(marked(t) for t in operands):
+                    entry = ("dot", "float8", entry[2])
             if entry is not None:
                 found.append(entry)
             return out
@@ -41,6 +60,10 @@ def matmuls_of_one_step(model, data):
         for variable, value in zip(variables, before):
             variable.assign(value)
     return found
+
+
+_CARRIES = {"mul", "t", "transpose", "permute", "view", "_unsafe_view", "reshape", "expand"}
+_CARRIES |= {"clone", "contiguous", "alias", "detach"}
 
 
 def _state(model):

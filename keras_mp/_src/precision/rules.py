@@ -239,8 +239,16 @@ KEPT = (
 # FP8; `deny=` keeps a layer float32 (above).
 _FP8 = (in_float8, layer_is(float8.has_float8_path))
 FLOAT8_RULES = (
-    Rule(_FP8 + (is_output, not_user_allowed), LEVEL_HALF, "{level} float8: output layer in bfloat16 (allow= for FP8)"),
-    Rule(_FP8 + (is_first, not_user_allowed), LEVEL_HALF, "{level} float8: first layer in bfloat16 (allow= for FP8)"),
+    Rule(
+        _FP8 + (is_output, not_user_allowed),
+        LEVEL_HALF,
+        "{level} float8: output layer in bfloat16 (allow= for FP8)",
+    ),
+    Rule(
+        _FP8 + (is_first, not_user_allowed),
+        LEVEL_HALF,
+        "{level} float8: first layer in bfloat16 (allow= for FP8)",
+    ),
     Rule(
         _FP8 + (layer_is(float8.misaligned), not_user_allowed),
         LEVEL_HALF,
@@ -250,103 +258,109 @@ FLOAT8_RULES = (
 )
 
 RULES = (
-    # A layer FP8 already (a model saved at this level, loaded): kept, as the
-    # quantized below, under the FP8 reason.
-    Rule(
-        (in_float8, layer_is(float8.is_float8)),
-        KEEP,
-        "{level} float8: matmul in FP8 (E4M3 forward, E5M2 gradients)",
-    ),
-) + KEPT + (
-    # The model's structure.
-    Rule((is_model_io,), FLOAT32, "{level}: model, float32 inputs and outputs"),
-    # A nested model named in `deny=` is float32 through and through (an
-    # EMA copy of a network that its `train_step` assigns to).
-    Rule((is_container, user_denied), FLOAT32, "{level}: deny=, float32"),
-    Rule((is_container,), CONTAINER, "{level}: container"),
-    # A model's other output layers compute as their level says and return
-    # float32 (`boundaries.py`), a probability activation of theirs in
-    # float32; a layer that is nothing but one has no matmul to gain.
-    Rule(
-        (is_output, layer_is(computes_probabilities), not_user_allowed),
-        FLOAT32,
-        "model output: probabilities in float32",
-    ),
-    # Exact at every level.
-    Rule(
-        (layer_is(of_class(*EXACT_PREPROCESSING)),),
-        FLOAT32,
-        "indices, counts and bins: float32 at every level",
-    ),
-    # Fixed statistics (`adapt`ed, not trained), converted to the compute
-    # dtype when built: in half they would change on every reload.
-    Rule(
-        (layer_is(of_class(keras.layers.Normalization)),),
-        FLOAT32,
-        "input statistics: float32 at every level",
-    ),
-    Rule((computes(Compute.NONE),), FLOAT32, "{level}: float32"),
-    # The user's `deny=` wins at every level, over the allow-list too.
-    Rule((user_denied,), FLOAT32, "{level}: deny=, float32"),
-    # What float16 cannot hold (above); `allow=` overrides.
-    Rule(
-        (in_float16_at(*_O1_O2), layer_is(MASKS_WITH_1E9), not_user_allowed),
-        FLOAT32,
-        "{level}: masks with -1e9, own arithmetic in float32",
-    ),
-    Rule(
-        (in_float16_at(*_O1_O2), layer_is(EPS_1E12), not_user_allowed),
-        FLOAT32,
-        "{level}: normalizes with eps 1e-12 (0 in float16), own arithmetic in float32",
-    ),
-    Rule(
-        (in_float16_at(*_O1_O2), layer_is(OWN_L2_NORM), not_user_allowed),
-        FLOAT32,
-        "{level}: L2-normalizes in its own code (rsqrt's gradient overflows float16), "
-        "own arithmetic in float32",
-    ),
-    Rule(
-        (attention_needs_float32_here,),
-        FLOAT32,
-        "{level}: attention on JAX's CPU, float32 (no float16 dot there)",
-        note=_warn_jax_cpu_attention_once,
-    ),
-    # Mixture of experts: the router, and the routing, in float32.
-    Rule((router, not_user_allowed), FLOAT32, "{level}: expert router, float32"),
-    Rule(
-        (computes(Compute.DENY, Compute.ALL), layer_is(routes_experts), not_user_allowed),
-        FLOAT32,
-        "{level}: expert routing in float32 (experts in half)",
-    ),
-    # An output layer of the user's own code (a VAE's Sampling): as before
-    # the output rule, float32, no fallback to warn of; `allow=` for half.
-    Rule(
-        (is_output, layer_is(runs_users_code), not_user_allowed),
-        FLOAT32,
-        "model output: your layer, float32 (allow= for half)",
-    ),
-    # A composite layer of the user's, at O2 in float16.
-    Rule(
-        (own_arithmetic_in_float32,),
-        FLOAT32,
-        "{level}: own arithmetic in float32 (your layer; allow= for half)",
-    ),
-    # O1: the allow-list, and what is inside it but for the deny-list.
-    Rule((computes(Compute.ALLOW), on_allow_list), MIXED, "{level} allow-list"),
-    Rule(
-        (computes(Compute.ALLOW), inside_allowed, not_denied),
-        MIXED,
-        "{level}: inside an allow-listed layer",
-    ),
-    Rule((computes(Compute.ALLOW), inside_allowed), FLOAT32, "{level} deny-list"),
-    Rule((computes(Compute.ALLOW),), FLOAT32, "{level}: not on the allow-list"),
-    # O2: all but the deny-list.
-    Rule((computes(Compute.DENY), denied), FLOAT32, "{level} deny-list"),
-) + FLOAT8_RULES + (
-    Rule((computes(Compute.DENY),), MIXED, "{level}: half compute, float32 variables"),
-    # O3: everything.
-    Rule((keep_batchnorm_fp32,), FLOAT32, "{level}: keep_batchnorm_fp32=True"),
-    Rule((), HALF, "{level}: half everywhere"),
+    (
+        # A layer FP8 already (a model saved at this level, loaded): kept, as the
+        # quantized below, under the FP8 reason.
+        Rule(
+            (in_float8, layer_is(float8.is_float8)),
+            KEEP,
+            "{level} float8: matmul in FP8 (E4M3 forward, E5M2 gradients)",
+        ),
+    )
+    + KEPT
+    + (
+        # The model's structure.
+        Rule((is_model_io,), FLOAT32, "{level}: model, float32 inputs and outputs"),
+        # A nested model named in `deny=` is float32 through and through (an
+        # EMA copy of a network that its `train_step` assigns to).
+        Rule((is_container, user_denied), FLOAT32, "{level}: deny=, float32"),
+        Rule((is_container,), CONTAINER, "{level}: container"),
+        # A model's other output layers compute as their level says and return
+        # float32 (`boundaries.py`), a probability activation of theirs in
+        # float32; a layer that is nothing but one has no matmul to gain.
+        Rule(
+            (is_output, layer_is(computes_probabilities), not_user_allowed),
+            FLOAT32,
+            "model output: probabilities in float32",
+        ),
+        # Exact at every level.
+        Rule(
+            (layer_is(of_class(*EXACT_PREPROCESSING)),),
+            FLOAT32,
+            "indices, counts and bins: float32 at every level",
+        ),
+        # Fixed statistics (`adapt`ed, not trained), converted to the compute
+        # dtype when built: in half they would change on every reload.
+        Rule(
+            (layer_is(of_class(keras.layers.Normalization)),),
+            FLOAT32,
+            "input statistics: float32 at every level",
+        ),
+        Rule((computes(Compute.NONE),), FLOAT32, "{level}: float32"),
+        # The user's `deny=` wins at every level, over the allow-list too.
+        Rule((user_denied,), FLOAT32, "{level}: deny=, float32"),
+        # What float16 cannot hold (above); `allow=` overrides.
+        Rule(
+            (in_float16_at(*_O1_O2), layer_is(MASKS_WITH_1E9), not_user_allowed),
+            FLOAT32,
+            "{level}: masks with -1e9, own arithmetic in float32",
+        ),
+        Rule(
+            (in_float16_at(*_O1_O2), layer_is(EPS_1E12), not_user_allowed),
+            FLOAT32,
+            "{level}: normalizes with eps 1e-12 (0 in float16), own arithmetic in float32",
+        ),
+        Rule(
+            (in_float16_at(*_O1_O2), layer_is(OWN_L2_NORM), not_user_allowed),
+            FLOAT32,
+            "{level}: L2-normalizes in its own code (rsqrt's gradient overflows float16), "
+            "own arithmetic in float32",
+        ),
+        Rule(
+            (attention_needs_float32_here,),
+            FLOAT32,
+            "{level}: attention on JAX's CPU, float32 (no float16 dot there)",
+            note=_warn_jax_cpu_attention_once,
+        ),
+        # Mixture of experts: the router, and the routing, in float32.
+        Rule((router, not_user_allowed), FLOAT32, "{level}: expert router, float32"),
+        Rule(
+            (computes(Compute.DENY, Compute.ALL), layer_is(routes_experts), not_user_allowed),
+            FLOAT32,
+            "{level}: expert routing in float32 (experts in half)",
+        ),
+        # An output layer of the user's own code (a VAE's Sampling): as before
+        # the output rule, float32, no fallback to warn of; `allow=` for half.
+        Rule(
+            (is_output, layer_is(runs_users_code), not_user_allowed),
+            FLOAT32,
+            "model output: your layer, float32 (allow= for half)",
+        ),
+        # A composite layer of the user's, at O2 in float16.
+        Rule(
+            (own_arithmetic_in_float32,),
+            FLOAT32,
+            "{level}: own arithmetic in float32 (your layer; allow= for half)",
+        ),
+        # O1: the allow-list, and what is inside it but for the deny-list.
+        Rule((computes(Compute.ALLOW), on_allow_list), MIXED, "{level} allow-list"),
+        Rule(
+            (computes(Compute.ALLOW), inside_allowed, not_denied),
+            MIXED,
+            "{level}: inside an allow-listed layer",
+        ),
+        Rule((computes(Compute.ALLOW), inside_allowed), FLOAT32, "{level} deny-list"),
+        Rule((computes(Compute.ALLOW),), FLOAT32, "{level}: not on the allow-list"),
+        # O2: all but the deny-list.
+        Rule((computes(Compute.DENY), denied), FLOAT32, "{level} deny-list"),
+    )
+    + FLOAT8_RULES
+    + (
+        Rule((computes(Compute.DENY),), MIXED, "{level}: half compute, float32 variables"),
+        # O3: everything.
+        Rule((keep_batchnorm_fp32,), FLOAT32, "{level}: keep_batchnorm_fp32=True"),
+        Rule((), HALF, "{level}: half everywhere"),
+    )
 )
 
 
