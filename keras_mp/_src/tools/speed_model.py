@@ -8,6 +8,7 @@ import dataclasses
 import keras
 
 from keras_mp._src import keras_internals
+from keras_mp._src.precision import float8
 from keras_mp._src.precision import layer_tree
 from keras_mp._src.precision.levels import HALF_DTYPES
 from keras_mp._src.precision.policies import decide_all
@@ -27,6 +28,7 @@ class Account:
     layer: object
     dtype: str
     reason: str = ""
+    matmul: str = ""  # the dtype of its matmul where not `dtype` ("float8")
     flops: int = 0
     dims: list = dataclasses.field(default_factory=list)
     casts: int = 0
@@ -65,13 +67,18 @@ def accounts_at(model, calls, amp):
         work = speed_trace.work(call)
         entry.flops += work.flops
         entry.dims = list(work.dims)
+        fp8 = _is_float8(policies.get(id(layer)))
+        if fp8:
+            entry.matmul = "float8"
         # A tensor no layer returned was made by its caller's own arithmetic
         # (or is a model input: float32).
         context = _caller_dtype(layer, parents, compute, amp, model) or "float32"
+        # An FP8 matmul reads its operands in one byte each.
+        read = 1 if fp8 else _bytes(dtype)
         for shape, _, tensor in call.inputs:
             size = numel(shape)
             source = produced.get(tensor, context)
-            entry.moved += 3 * size * _bytes(dtype)
+            entry.moved += 3 * size * read
             if source != dtype:
                 entry.casts += 2  # forward, and the gradient's back
                 entry.cast_bytes += 2 * size * (_bytes(source) + _bytes(dtype))
@@ -80,11 +87,18 @@ def accounts_at(model, calls, amp):
         policy = policies.get(id(layer), layer.dtype_policy)
         for variable in keras_internals.own_trainable_variables(layer):
             size = numel(variable.shape)
-            entry.moved += 3 * size * _bytes(dtype)
+            entry.moved += 3 * size * read
             kept_in = _variable_dtype(layer, variable, policy)
             if keras.backend.is_float_dtype(kept_in) and kept_in != dtype:
                 entry.casts += 2
                 entry.cast_bytes += 2 * size * (_bytes(kept_in) + _bytes(dtype))
+        if fp8:
+            # Quantized to FP8 (read in `dtype`, written in one byte): its
+            # inputs and kernel forward, its output's gradient backward.
+            quantized = sum(numel(shape) for shape, _, _ in call.inputs + call.outputs)
+            quantized += numel(float8.gemm_dims(layer).values())
+            entry.casts += 3
+            entry.cast_bytes += quantized * (_bytes(dtype) + 1)
         returned = _returned_dtype(layer, dtype, parents, compute, amp, model)
         if id(layer) in outputs:
             returned = "float32"
@@ -134,11 +148,26 @@ def _variable_dtype(layer, variable, policy):
     return own
 
 
+def _is_float8(policy):
+    return getattr(policy, "quantization_mode", None) == "float8"
+
+
+def _float8_state(layer, policy):
+    """(size, trainable) of the scales and amax histories that Keras's
+    float8 policy adds to a layer not quantized yet (float32 each)."""
+    if not _is_float8(policy) or _is_float8(layer.dtype_policy):
+        return []
+    return [((), True)] * 3 + [((policy.amax_history_length,), True)] * 3
+
+
 def memory(model, amp, slots, replicas, shard, accounts):
     """Bytes of weights, optimizer state and kept activations at `amp`."""
     weights = optimizer = 0
     for layer, (policy_name, _) in decide_all(model, amp):
         policy = keras.dtype_policies.get(policy_name) if policy_name else layer.dtype_policy
+        for shape, _ in _float8_state(layer, policy):
+            weights += numel(shape) * 4
+            optimizer += slots * numel(shape) * 4 / (replicas if shard else 1)
         for variable in keras_internals.own_variables(layer):
             dtype = _variable_dtype(layer, variable, policy)
             size = numel(variable.shape)
@@ -158,7 +187,7 @@ def memory(model, amp, slots, replicas, shard, accounts):
 
 def layer_seconds(account, peaks, tf32):
     aligned = not speed_trace.misaligned(account.dims)
-    rate = peaks.matmul_rate(account.dtype, tf32=tf32, aligned=aligned)
+    rate = peaks.matmul_rate(account.matmul or account.dtype, tf32=tf32, aligned=aligned)
     return max(3 * account.flops / rate, account.moved / peaks.bandwidth)
 
 

@@ -32,6 +32,9 @@ issue compares it with the clock (`benchmarks/README.md`).
 import dataclasses
 
 from keras_mp._src.precision import amp_settings
+from keras_mp._src.precision.float8 import Float8Recipe
+from keras_mp._src.precision.levels import FLOAT8
+from keras_mp._src.precision.levels import FLOAT8_LEVELS
 from keras_mp._src.precision.levels import HALF_DTYPES
 from keras_mp._src.precision.policies import check_model
 from keras_mp._src.tools import gpu_peaks
@@ -73,7 +76,9 @@ def speed_report(
         model: a Keras model (built, or built by the trace); it is not changed.
         x: one batch of inputs (arrays, or anything with `.shape` and `.dtype`).
         level: `"O1"`, `"O2"` or `"O3"`, as in `apply_amp`.
-        dtype: `"float16"` or `"bfloat16"`.
+        dtype: `"float16"`, `"bfloat16"`, or `"float8"` (O2, O3: the matmuls
+            `apply_amp` would put in FP8 at FP8's rate where the GPU has FP8
+            tensor cores, H100, H200, L4; bfloat16's elsewhere).
         gpu: the GPU to predict for: `"H100"`, `"H200"`, `"A100"`, `"L4"`,
             `"T4"` (`gpu_peaks.GPUS`).
         slots: optimizer slots per trainable weight (Adam 2, SGD with momentum
@@ -89,7 +94,7 @@ def speed_report(
     check_model(model)
     peaks = gpu_peaks.peaks_of(gpu)
     amp = amp_settings.for_layers(level, dtype, keep_batchnorm_fp32, allow, deny)
-    reference = amp_settings.for_layers("O0", dtype)
+    reference = amp_settings.for_layers("O0", amp.half)
     calls = speed_trace.trace(model, x)
     slots = speed_model.slots_of(model) if slots is None else slots
     at_level = speed_model.accounts_at(model, calls, amp)
@@ -110,7 +115,9 @@ def speed_report(
     summary = _summary(
         level, dtype, peaks, at_level, memory, times, launches, launch_seconds, replicas
     )
-    summary["advice"] = _advice(at_level, peaks, times[level], launch_seconds, dtype)
+    summary["advice"] = _advice(at_level, peaks, times[level], launch_seconds, amp.half)
+    summary["advice"] += _float8_advice(model, calls, amp, at_level, peaks)
+    summary["advice"] = [text for _, text in sorted(summary["advice"], key=lambda e: -e[0])][:8]
     rows = [_row(a) for a in at_level.values() if a.flops or a.casts]
     text = _render(rows, summary, level, dtype)
     report = SpeedReport(text, rows, summary)
@@ -123,6 +130,13 @@ def _summary(level, dtype, peaks, accounts, memory, times, launches, launch_s, r
     flops = sum(a.flops for a in accounts.values())
     half = sum(a.flops for a in accounts.values() if a.dtype in HALF_DTYPES)
     share = half / flops if flops else 0.0
+    fp8 = sum(a.flops for a in accounts.values() if a.matmul == FLOAT8)
+    fp8_share = fp8 / flops if flops else 0.0
+    in_fp8 = ""
+    if fp8:
+        in_fp8 = f", {fp8_share:.0%} in FP8"
+        if peaks.float8 is None:
+            in_fp8 += f" (no FP8 tensor cores on the {peaks.name}: bfloat16's rate)"
     bound = times["O0, TF32"] / times[level]
     strict = times["O0, float32"] / times[level]
     launch_bound = launch_s > times[level]
@@ -138,7 +152,7 @@ def _summary(level, dtype, peaks, accounts, memory, times, launches, launch_s, r
         verdict = (
             f"{level} {dtype} on an {peaks.name}: at most {bound:.1f}x the float32 "
             f"step with TF32 on (TensorFlow's default there), {strict:.1f}x with "
-            f"TF32 off; {share:.0%} of the matmul FLOPs in half."
+            f"TF32 off; {share:.0%} of the matmul FLOPs in half{in_fp8}."
         )
     return {
         "level": level,
@@ -146,6 +160,7 @@ def _summary(level, dtype, peaks, accounts, memory, times, launches, launch_s, r
         "gpu": peaks.name,
         "flops_per_step": 3 * flops,
         "half_flop_share": share,
+        "float8_flop_share": fp8_share,
         "bytes": memory,
         "replicas": replicas,
         "step_seconds": times,
@@ -211,9 +226,8 @@ def _advice(accounts, peaks, step, launch_s, dtype):
         advice.append(
             (launch_s - step, "a larger batch: the step is bound by its kernel launches", [])
         )
-    advice.sort(key=lambda entry: -entry[0])
     lines = []
-    for seconds, text, names in advice[:8]:
+    for seconds, text, names in advice:
         where = ""
         if names:
             where = (
@@ -221,8 +235,42 @@ def _advice(accounts, peaks, step, launch_s, dtype):
                 + ", ".join(names[:3])
                 + (f" and {len(names) - 3} more" if len(names) > 3 else "")
             )
-        lines.append(f"{text}{where} (~{seconds * 1e6:.1f} us a step)")
+        lines.append((seconds, f"{text}{where} (~{seconds * 1e6:.1f} us a step)"))
     return lines
+
+
+def _float8_advice(model, calls, amp, accounts, peaks):
+    """Where FP8 would help on this GPU, as `(seconds, text)`: at a half
+    level, `amp_dtype="float8"`; at the float8 level, the layers its rules
+    keep in bfloat16 (first, output, misaligned)."""
+    if peaks.float8 is None or amp.name not in FLOAT8_LEVELS:
+        return []
+    if amp.float8 is None:
+        as_fp8 = dataclasses.replace(amp, half="bfloat16", float8=Float8Recipe())
+        candidates = speed_model.accounts_at(model, calls, as_fp8)
+    else:
+        allowed = tuple(a.layer for a in accounts.values() if a.matmul != FLOAT8 and a.flops)
+        as_fp8 = dataclasses.replace(amp, allow=amp.allow + allowed)
+        candidates = speed_model.accounts_at(model, calls, as_fp8)
+    saved, names, kinds = 0.0, [], set()
+    for key, a in candidates.items():
+        now = accounts.get(key)
+        if a.matmul != FLOAT8 or now is None or now.matmul == FLOAT8:
+            continue
+        saved += speed_model.layer_seconds(now, peaks, True) - speed_model.layer_seconds(
+            a, peaks, True
+        )
+        saved -= (a.cast_bytes - now.cast_bytes) / peaks.bandwidth
+        names.append(f"`{_name(a.layer)}`")
+        kinds.add(type(a.layer).__name__)
+    if saved <= 0:
+        return []
+    where = ", ".join(names[:3]) + (f" and {len(names) - 3} more" if len(names) > 3 else "")
+    if amp.float8 is None:
+        text = f"amp_dtype='float8': FP8 matmuls at {where} ({', '.join(sorted(kinds))})"
+    else:
+        text = f"allow=[...] (first or output layer) or padding to 16 puts {where} in FP8"
+    return [(saved, f"{text} (~{saved * 1e6:.1f} us a step)")]
 
 
 def _name(layer):
@@ -233,6 +281,8 @@ def _row(a):
     bad = speed_trace.misaligned(a.dims)
     if not a.flops:
         cores = "-"
+    elif a.matmul == FLOAT8:
+        cores = "yes (FP8)"
     elif a.dtype not in HALF_DTYPES:
         cores = "float32"
     elif bad:
@@ -242,7 +292,7 @@ def _row(a):
     return {
         "layer": _name(a.layer),
         "class": type(a.layer).__name__,
-        "dtype": a.dtype,
+        "dtype": a.matmul or a.dtype,
         "flops": 3 * a.flops,
         "tensor_cores": cores,
         "casts": a.casts,
@@ -268,7 +318,9 @@ def _render(rows, summary, level, dtype):
     b = summary["bytes"]
     lines += [
         "",
-        f"Matmul work in half: {summary['half_flop_share']:.0%} of "
+        f"Matmul work in half: {summary['half_flop_share']:.0%}"
+        + (f" ({summary['float8_flop_share']:.0%} in FP8)" if summary["float8_flop_share"] else "")
+        + " of "
         f"{summary['flops_per_step'] / 1e9:.4g} GFLOP a step (forward and backward).",
         f"Bytes, O0 -> {level}: "
         + ", ".join(
