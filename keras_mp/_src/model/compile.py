@@ -130,6 +130,7 @@ def _compile_with_amp(
         loss_scale=amp.loss_scale,
         keep_batchnorm_fp32=keep_batchnorm_fp32,
         master_weights=amp.master_weights,
+        float8_recipe=amp.float8.get_config() if amp.float8 is not None else None,
     )
     guard_train_step(self)
     return result

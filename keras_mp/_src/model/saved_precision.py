@@ -22,7 +22,14 @@ from keras_mp._src.precision import rules
 from keras_mp._src.precision.layer_kinds import matches
 
 # The compile config's keys of the amp settings, and of each layer's record.
-AMP_ARGUMENTS = ("amp_level", "amp_dtype", "loss_scale", "keep_batchnorm_fp32", "master_weights")
+AMP_ARGUMENTS = (
+    "amp_level",
+    "amp_dtype",
+    "loss_scale",
+    "keep_batchnorm_fp32",
+    "master_weights",
+    "float8_recipe",
+)
 AMP_LAYERS = "amp_layers"
 # A loaded model's record, until its compile restores it (`restore_saved`).
 _SAVED_PRECISION = "_keras_mp_saved_precision"
@@ -46,6 +53,9 @@ def precision_record(model):
     record = []
     for layer in layer_tree.layers_in_order(model):
         entry = {"class": type(layer).__name__, "policy": layer.dtype_policy.name}
+        length = getattr(layer.dtype_policy, "amax_history_length", None)
+        if length is not None:  # Keras's float8 policy: its recipe too
+            entry["amax_history_length"] = length
         rule = policies.rule_of(layer)
         if rule != policies.KERAS_DEFAULT_RULE:
             entry["rule"] = rule
@@ -74,6 +84,12 @@ def restore_precision(model, record):
         policy = entry["policy"]
         if rules.kept_reason(layer) is not None or policy == layer.dtype_policy.name:
             policy = None
+        elif "amax_history_length" in entry:
+            policy = keras.dtype_policies.QuantizedFloat8DTypePolicy(
+                "float8",
+                policy.split("_from_", 1)[1],
+                amax_history_length=entry["amax_history_length"],
+            )
         rule = entry.get("rule", policies.rule_of(layer))
         decisions.append((layer, (policy, rule)))
     policies.set_policies(model, decisions)
@@ -150,6 +166,7 @@ def compile_from_config_with_amp(self, config):
                 amp["amp_level"],
                 amp["amp_dtype"] or "float16",
                 keep_batchnorm_fp32=amp["keep_batchnorm_fp32"],
+                float8_recipe=amp["float8_recipe"],
             )
             if type(self).compile is not Trainer.compile and _takes(self.compile, config):
                 self.compile(**keras.saving.deserialize_keras_object(config))

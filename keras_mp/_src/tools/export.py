@@ -46,6 +46,10 @@ def serving_copy(model, dtype="float32"):
       `keep_batchnorm_fp32=True`): half the memory for GPU (or bfloat16 CPU)
       serving.
 
+    A model trained with FP8 matmuls (`amp_dtype="float8"`) is copied
+    without them: its Dense and EinsumDense layers compute in `dtype` from
+    the trained weights, and their scales and amax histories stay behind.
+
     Inputs and outputs stay float32 in every case. The copy has no optimizer
     and is not compiled; `model` itself is not changed.
 
@@ -72,8 +76,10 @@ def serving_copy(model, dtype="float32"):
         # Keras warns about lambdas in the compile config, dropped just below.
         warnings.simplefilter("ignore", UserWarning)
         config = keras.saving.serialize_keras_object(model)
-    # A copy for serving: no optimizer, no loss, no amp compile.
+    # A copy for serving: no optimizer, no loss, no amp compile; its matmuls
+    # in the dtype it serves in (FP8 is how the model trained, not a format).
     config.pop("compile_config", None)
+    config = _without_float8(config)
     # The model's own classes, registered with Keras or not.
     classes = {}
     for layer in keras_internals.all_layers(model):
@@ -122,8 +128,28 @@ def _call_like(copy, input_signature):
         pass
 
 
+def _without_float8(config):
+    """`config` with each of Keras's float8 policies replaced by the policy
+    it computes like around its FP8 matmul."""
+    if isinstance(config, dict):
+        if config.get("class_name") == "QuantizedFloat8DTypePolicy":
+            source = config.get("config", {}).get("source_name", "float32")
+            return {"module": "keras", "class_name": "DTypePolicy", "config": {"name": source}}
+        return {k: _without_float8(v) for k, v in config.items()}
+    if isinstance(config, list):
+        return [_without_float8(v) for v in config]
+    return config
+
+
+def _is_float8_state(variable):
+    """A float8 layer's scale or amax history (the optimizer overwrites it
+    with its new value): training state the serving copy does without."""
+    return getattr(variable, "overwrite_with_gradient", False)
+
+
 def _copy_weights(source, target):
-    source_weights, target_weights = source.weights, target.weights
+    source_weights = [w for w in source.weights if not _is_float8_state(w)]
+    target_weights = [w for w in target.weights if not _is_float8_state(w)]
     shapes = [tuple(w.shape) for w in source_weights]
     if shapes != [tuple(w.shape) for w in target_weights]:
         raise ValueError(
