@@ -5,6 +5,7 @@ The public API, in full (implementation lives in `keras_mp._src`):
 - `LossScaleOptimizer`: fixed and dynamic loss scaling, skip on overflow.
 - `apply_amp(model, level, dtype, ...)`: per-layer dtype policies for the
   precision levels O0-O3 (`LEVELS`), from `ALLOW_LIST` / `DENY_LIST`.
+- `Float8Recipe`: how `amp_dtype="float8"` scales its FP8 matmuls.
 - `to_float(layer, dtype)`: manual mixed precision for a layer and its
   sublayers.
 - `precision_summary(model)`: who computes in what, and why.
@@ -30,6 +31,7 @@ from keras_mp._src.model.compile import compile
 from keras_mp._src.model.compile import install as _install_compile_keywords
 from keras_mp._src.optimizer.loss_scale_optimizer import LossScaleOptimizer
 from keras_mp._src.precision.layer_kinds import ALLOW_LIST
+from keras_mp._src.precision.float8 import Float8Recipe
 from keras_mp._src.precision.layer_kinds import DENY_LIST
 from keras_mp._src.precision.levels import HALF_DTYPES
 from keras_mp._src.precision.levels import LEVELS
@@ -50,6 +52,7 @@ _install_export()
 __all__ = [
     "ALLOW_LIST",
     "DENY_LIST",
+    "Float8Recipe",
     "HALF_DTYPES",
     "LEVELS",
     "LossScaleOptimizer",

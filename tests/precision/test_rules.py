@@ -142,6 +142,8 @@ def test_every_row_of_the_table_is_tested_here_or_in_the_zoo():
     # KerasHub's families (T5, T5Gemma, RWKV-7, Qwen3.5): tests/zoo builds
     # those models and checks their rows; JAX's CPU attention: test_policies.
     in_the_zoo = ("masks with -1e9", "eps 1e-12", "rsqrt", "attention on JAX")
+    # The FP8 rows (`amp_dtype="float8"`): test_float8.py decides each.
+    in_the_zoo += ("float8",)
     for rule in rules.RULES:
         assert id(rule) in decided or any(z in rule.reason for z in in_the_zoo), rule.reason
 

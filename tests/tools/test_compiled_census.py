@@ -122,3 +122,38 @@ def test_a_census_counts_what_the_model_computes():
     assert census.half_share == 1.0
     model.compile(optimizer="sgd", loss="mse", amp_level="O0")
     assert compiled_census.census(model, x, y).flops.keys() == {"float32"}
+
+
+FP8_FAMILIES = {**families.FP8, "mlp": None}
+
+
+def _fp8_mlp():
+    keras.utils.set_random_seed(0)
+    model = keras.Sequential(
+        [keras.Input((64,))]
+        + [keras.layers.Dense(64, activation="relu") for _ in range(3)]
+        + [keras.layers.Dense(10)]
+    )
+    x = np.random.default_rng(0).normal(size=(32, 64)).astype("float32")
+    return model, x, np.zeros(32, "int32"), keras.losses.SparseCategoricalCrossentropy(True)
+
+
+@pytest.mark.parametrize("family", list(FP8_FAMILIES))
+@pytest.mark.parametrize("level", ["O2", "O3"])
+def test_every_fp8_matmul_is_quantized_and_dequantized_in_the_compiled_step(family, level):
+    """`amp_dtype="float8"`: each matmul the rules chose multiplies two values
+    quantized to FP8 and back, forward and both gradients (the pattern XLA
+    rewrites into FP8 GEMMs on a GPU), and no other matmul does; the FP8
+    FLOPs are `speed_report`'s (none of them is a first layer's, whose input
+    gradient a program may drop)."""
+    keras.utils.set_random_seed(0)
+    model, x, y, loss = _fp8_mlp() if family == "mlp" else families.FP8[family]()
+    model.compile(optimizer="adam", loss=loss, amp_level=level, amp_dtype="float8")
+    chosen = [r for r in keras_mp.precision_summary(model).rows if "matmul in FP8" in r["rule"]]
+    assert chosen
+    found = backends.current.train_step_matmuls(model, (x, y))
+    fp8 = [entry for entry in found if entry[1] == "float8"]
+    assert len(fp8) == 3 * len(chosen), (len(fp8), [r["layer"] for r in chosen])
+    report = keras_mp.speed_report(model, x, level=level, dtype="float8")
+    predicted = sum(row["flops"] for row in report.rows if row["dtype"] == "float8")
+    assert predicted == sum(entry[2] for entry in fp8), report.text

@@ -128,7 +128,8 @@ def test_an_unknown_gpu_is_refused_by_name(gpu):
     "kwargs, match",
     [
         ({"level": "O4"}, "level"),
-        ({"dtype": "float8"}, "dtype"),
+        ({"dtype": "float8e4"}, "dtype"),
+        ({"level": "O1", "dtype": "float8"}, "dtype='float8'` needs `level`"),
         ({"level": "O2", "dtype": 16}, "dtype"),
     ],
 )

@@ -371,6 +371,66 @@ KERAS_HUB = {
     "resnet": resnet,
     "mixtral": mixtral,
 }
+# FP8-aligned configurations (every GEMM dimension a multiple of 16), for
+# `amp_dtype="float8"`: the families above have 8-wide heads.
+FP8_VOCAB, FP8_SEQ = 128, 16
+
+
+def _fp8_tokens():
+    rng = np.random.default_rng(0)
+    ids = rng.integers(1, FP8_VOCAB, size=(BATCH, FP8_SEQ)).astype("int32")
+    padding = np.ones((BATCH, FP8_SEQ), "int32")
+    padding[:, -3:] = 0
+    ids[padding == 0] = 0
+    return rng, ids, padding
+
+
+def gemma_fp8():
+    rng, ids, padding = _fp8_tokens()
+    backbone = keras_hub.models.GemmaBackbone(
+        vocabulary_size=FP8_VOCAB,
+        num_layers=2,
+        num_query_heads=2,
+        num_key_value_heads=1,
+        hidden_dim=32,
+        intermediate_dim=64,
+        head_dim=16,
+    )
+    model = keras_hub.models.GemmaCausalLM(backbone, preprocessor=None)
+    x = {"token_ids": ids, "padding_mask": padding}
+    return model, x, rng.integers(0, FP8_VOCAB, (BATCH, FP8_SEQ)), _logits_loss()
+
+
+def gpt2_fp8():
+    rng, ids, padding = _fp8_tokens()
+    backbone = keras_hub.models.GPT2Backbone(
+        vocabulary_size=FP8_VOCAB,
+        num_layers=2,
+        num_heads=2,
+        hidden_dim=32,
+        intermediate_dim=64,
+        max_sequence_length=FP8_SEQ,
+    )
+    model = keras_hub.models.GPT2CausalLM(backbone, preprocessor=None)
+    x = {"token_ids": ids, "padding_mask": padding}
+    return model, x, rng.integers(0, FP8_VOCAB, (BATCH, FP8_SEQ)), _logits_loss()
+
+
+def bert_fp8():
+    rng, ids, padding = _fp8_tokens()
+    backbone = keras_hub.models.BertBackbone(
+        vocabulary_size=FP8_VOCAB,
+        num_layers=2,
+        num_heads=2,
+        hidden_dim=32,
+        intermediate_dim=64,
+        max_sequence_length=FP8_SEQ,
+    )
+    model = keras_hub.models.BertTextClassifier(backbone, num_classes=3, preprocessor=None)
+    x = {"token_ids": ids, "padding_mask": padding, "segment_ids": np.zeros_like(ids)}
+    return model, x, rng.integers(0, 3, BATCH), _logits_loss()
+
+
 APPLICATIONS = {
     "resnet50": resnet50,
     "mobilenet_v2": mobilenet_v2,
@@ -383,3 +443,4 @@ OTHERS = {
     "two_outputs": two_outputs,
 }
 FAMILIES = {**KERAS_HUB, **APPLICATIONS, **OTHERS}
+FP8 = {"gemma": gemma_fp8, "gpt2": gpt2_fp8, "bert": bert_fp8}

@@ -25,11 +25,26 @@ def matmuls_of_one_step(model, data):
     from torch.utils._python_dispatch import TorchDispatchMode
 
     found = []
-    dequantized = {}  # id -> weak reference: tensors cast from FP8 (scaled, moved)
+    # The storages of tensors cast from FP8 (scaled, moved): a view, and the
+    # tensor autograd saves for the backward pass, share their tensor's.
+    dequantized = set()
+
+    def storage(tensor):
+        try:
+            return tensor.untyped_storage().data_ptr()
+        except (RuntimeError, NotImplementedError):
+            return None
 
     def marked(tensor):
-        ref = dequantized.get(id(tensor))
-        return ref is not None and ref() is tensor
+        return storage(tensor) in dequantized
+
+    def mark(tensor):
+        pointer = storage(tensor)
+        if pointer is not None and pointer not in dequantized:
+            dequantized.add(pointer)
+            # Unmarked when the memory is freed (PyTorch keeps one Python
+            # object per storage while it lives), not when this tensor is.
+            weakref.finalize(tensor.untyped_storage(), dequantized.discard, pointer)
 
     class Census(TorchDispatchMode):
         def __torch_dispatch__(self, func, types, args=(), kwargs=None):
@@ -40,7 +55,7 @@ def matmuls_of_one_step(model, data):
                 (name == "_to_copy" and tensors and "float8" in _dtype(tensors[0]))
                 or (name in _CARRIES and any(marked(t) for t in tensors))
             ):
-                dequantized[id(out)] = weakref.ref(out)
+                mark(out)
             entry = _census(name, args, out)
             if entry is not None and entry[0] == "dot":
                 operands = tensors[-2:]

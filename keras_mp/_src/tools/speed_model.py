@@ -153,11 +153,11 @@ def _is_float8(policy):
 
 
 def _float8_state(layer, policy):
-    """(size, trainable) of the scales and amax histories that Keras's
-    float8 policy adds to a layer not quantized yet (float32 each)."""
+    """The shapes of the scales and amax histories that Keras's float8
+    policy adds to a layer not quantized yet (float32 each)."""
     if not _is_float8(policy) or _is_float8(layer.dtype_policy):
         return []
-    return [((), True)] * 3 + [((policy.amax_history_length,), True)] * 3
+    return [()] * 3 + [(policy.amax_history_length,)] * 3
 
 
 def memory(model, amp, slots, replicas, shard, accounts):
@@ -165,14 +165,14 @@ def memory(model, amp, slots, replicas, shard, accounts):
     weights = optimizer = 0
     for layer, (policy_name, _) in decide_all(model, amp):
         policy = keras.dtype_policies.get(policy_name) if policy_name else layer.dtype_policy
-        for shape, _ in _float8_state(layer, policy):
-            weights += numel(shape) * 4
-            optimizer += slots * numel(shape) * 4 / (replicas if shard else 1)
+        # Keras's optimizers keep no slots for them (their gradient is
+        # their new value).
+        weights += sum(numel(shape) * 4 for shape in _float8_state(layer, policy))
         for variable in keras_internals.own_variables(layer):
             dtype = _variable_dtype(layer, variable, policy)
             size = numel(variable.shape)
             weights += size * _bytes(dtype)
-            if not variable.trainable:
+            if not variable.trainable or getattr(variable, "overwrite_with_gradient", False):
                 continue
             state = slots * size * 4  # slots are float32 (master copies' at O3)
             if dtype in HALF_DTYPES:

@@ -53,8 +53,15 @@ def trace(model, x):
     for layer in layer_tree.layers_in_order(model):
         if layer is model or layer_tree.is_graph(layer) or not hasattr(layer, "call"):
             continue
-        hooked.append((layer, layer.__dict__.get("call")))
-        object.__setattr__(layer, "call", _noting(layer, layer.call, calls, running))
+        # A quantized layer (Keras's float8 Dense) runs `quantized_call`.
+        method = "quantized_call" if layer.dtype_policy.quantization_mode else "call"
+        hooked.append((layer, method, layer.__dict__.get(method)))
+        object.__setattr__(layer, method, _noting(layer, getattr(layer, method), calls, running))
+    # Each attempt at the forward pass starts the record again: PyTorch's
+    # `compute_output_spec` runs it on meta tensors, and again on real ones
+    # where an op has no meta kernel (a cast to float8).
+    hooked.append((model, "call", model.__dict__.get("call")))
+    object.__setattr__(model, "call", _restarting(model.call, calls))
     numpy = keras_internals.backend_numpy
     ops = {name: getattr(numpy, name) for name in ("matmul", "einsum")}
     setattr(numpy, "matmul", _recording(ops["matmul"], _matmul_work, running))
@@ -68,12 +75,20 @@ def trace(model, x):
     finally:
         for name, op in ops.items():
             setattr(numpy, name, op)
-        for layer, own in hooked:
+        for layer, method, own in hooked:
             if own is None:
-                layer.__dict__.pop("call", None)
+                layer.__dict__.pop(method, None)
             else:
-                object.__setattr__(layer, "call", own)
+                object.__setattr__(layer, method, own)
     return calls
+
+
+def _restarting(call, calls):
+    def call_restarting(*args, **kwargs):
+        del calls[:]
+        return call(*args, **kwargs)
+
+    return call_restarting
 
 
 def _floats(structure):
