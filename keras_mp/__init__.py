@@ -30,8 +30,8 @@ from keras_mp import callbacks
 from keras_mp._src.model.compile import compile
 from keras_mp._src.model.compile import install as _install_compile_keywords
 from keras_mp._src.optimizer.loss_scale_optimizer import LossScaleOptimizer
-from keras_mp._src.precision.layer_kinds import ALLOW_LIST
 from keras_mp._src.precision.float8 import Float8Recipe
+from keras_mp._src.precision.layer_kinds import ALLOW_LIST
 from keras_mp._src.precision.layer_kinds import DENY_LIST
 from keras_mp._src.precision.levels import HALF_DTYPES
 from keras_mp._src.precision.levels import LEVELS
