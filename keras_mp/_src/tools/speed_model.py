@@ -8,6 +8,7 @@ import dataclasses
 import keras
 
 from keras_mp._src import keras_internals
+from keras_mp._src.optimizer import low_precision_state
 from keras_mp._src.precision import float8
 from keras_mp._src.precision import layer_tree
 from keras_mp._src.precision.levels import HALF_DTYPES
@@ -43,6 +44,11 @@ def slots_of(model):
     if isinstance(inner, keras.optimizers.SGD):
         return 1 if inner.momentum else 0
     return 2  # Adam, AdamW and most others
+
+
+def moments_of(model):
+    """The model's optimizer's `moment_dtypes` (None: float32 slots)."""
+    return getattr(getattr(model, "optimizer", None), "moment_dtypes", None)
 
 
 def accounts_at(model, calls, amp):
@@ -160,8 +166,10 @@ def _float8_state(layer, policy):
     return [()] * 3 + [(policy.amax_history_length,)] * 3
 
 
-def memory(model, amp, slots, replicas, shard, accounts):
-    """Bytes of weights, optimizer state and kept activations at `amp`."""
+def memory(model, amp, slots, replicas, shard, accounts, moment_dtypes=None):
+    """Bytes of weights, optimizer state and kept activations at `amp`
+    (`moment_dtypes`: Adam's moments in low precision, their scales aside)."""
+    per_weight = low_precision_state.bytes_per_weight(moment_dtypes, slots)
     weights = optimizer = 0
     for layer, (policy_name, _) in decide_all(model, amp):
         policy = keras.dtype_policies.get(policy_name) if policy_name else layer.dtype_policy
@@ -174,7 +182,7 @@ def memory(model, amp, slots, replicas, shard, accounts):
             weights += size * _bytes(dtype)
             if not variable.trainable or getattr(variable, "overwrite_with_gradient", False):
                 continue
-            state = slots * size * 4  # slots are float32 (master copies' at O3)
+            state = per_weight * size  # float32 slots (master copies' at O3) unless low
             if dtype in HALF_DTYPES:
                 state += size * 4  # the float32 master copy
             optimizer += state / replicas if shard else state

@@ -31,6 +31,7 @@ issue compares it with the clock (`benchmarks/README.md`).
 
 import dataclasses
 
+from keras_mp._src.optimizer import low_precision_state
 from keras_mp._src.precision import amp_settings
 from keras_mp._src.precision.float8 import Float8Recipe
 from keras_mp._src.precision.levels import FLOAT8
@@ -65,6 +66,7 @@ def speed_report(
     slots=None,
     replicas=1,
     shard_optimizer_state=False,
+    moment_dtypes="model",
     keep_batchnorm_fp32=None,
     allow=None,
     deny=None,
@@ -85,6 +87,9 @@ def speed_report(
             1); None: from the model's compiled optimizer, else 2.
         replicas: data-parallel replicas (for `shard_optimizer_state`).
         shard_optimizer_state: master copies and slots split over `replicas`.
+        moment_dtypes: Adam's moments as `LossScaleOptimizer(moment_dtypes=...)`
+            keeps them (`"float8"`, a pair, or None for float32); by default
+            those of the model's compiled optimizer.
         keep_batchnorm_fp32, allow, deny: as in `apply_amp`.
         print_fn: optional callable given the text (e.g. `print`).
 
@@ -97,10 +102,21 @@ def speed_report(
     reference = amp_settings.for_layers("O0", amp.half)
     calls = speed_trace.trace(model, x)
     slots = speed_model.slots_of(model) if slots is None else slots
+    if moment_dtypes == "model":
+        moment_dtypes = speed_model.moments_of(model)
+    moment_dtypes = low_precision_state.check_argument(moment_dtypes)
     at_level = speed_model.accounts_at(model, calls, amp)
     at_o0 = speed_model.accounts_at(model, calls, reference)
     memory = {
-        name: speed_model.memory(model, amp_, slots, replicas, shard_optimizer_state, accounts)
+        name: speed_model.memory(
+            model,
+            amp_,
+            slots,
+            replicas,
+            shard_optimizer_state,
+            accounts,
+            moment_dtypes if amp_ is amp else None,  # O0: float32 Adam
+        )
         for name, amp_, accounts in (("O0", reference, at_o0), (level, amp, at_level))
     }
     times = {
