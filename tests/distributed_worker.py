@@ -494,9 +494,12 @@ def jax_model_parallel_gemma():
 
 
 def state_bytes_per_device(optimizer):
-    """The most bytes of optimizer state (master copies, slots) on one device."""
+    """The most bytes of optimizer state (master copies, slots) on one device;
+    scalars (counters, the loss scale, moments' scales) are not split."""
     totals = {}
     for variable in optimizer.variables:
+        if not variable.shape:
+            continue
         for shard in variable.value.addressable_shards:
             totals[shard.device] = totals.get(shard.device, 0) + shard.data.nbytes
     return max(totals.values())
@@ -526,13 +529,24 @@ def jax_zero():
         for name, amp in (
             ("O2-float16", {"amp_level": "O2"}),
             ("O3-bfloat16", {"amp_level": "O3", "amp_dtype": "bfloat16"}),
+            # Adam's moments in FP8 and float16 (MS-AMP's O2), sharded too.
+            ("O2-bfloat16-float8-moments", {"amp_level": "O2", "amp_dtype": "bfloat16"}),
         ):
             runs = {}
             for shard in (False, True):
                 keras.distribution.set_distribution(make())
                 model = build()
+                optimizer = keras.optimizers.Adam(1e-2)
+                if "moments" in name:
+                    optimizer = keras_mp.LossScaleOptimizer(
+                        optimizer,
+                        dynamic=False,
+                        initial_scale=1.0,
+                        moment_dtypes="float8",
+                        shard_optimizer_state=shard,
+                    )
                 model.compile(
-                    optimizer=keras.optimizers.Adam(1e-2),
+                    optimizer=optimizer,
                     loss="mse",
                     shard_optimizer_state=shard,
                     **amp,

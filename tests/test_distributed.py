@@ -60,7 +60,7 @@ def test_jax_model_parallel_with_keras_hub_s_layout_map():
 @pytest.mark.skipif(BACKEND != "jax", reason="keras.distribution on JAX")
 def test_jax_zero_shards_the_optimizer_state_over_the_replicas():
     cases = [f"{where} {level}" for where in ("DataParallel", "ModelParallel")
-             for level in ("O2-float16", "O3-bfloat16")]  # fmt: skip
+             for level in ("O2-float16", "O3-bfloat16", "O2-bfloat16-float8-moments")]  # fmt: skip
     out = processes.run_cases(WORKER, "jax_zero", "jax", cases)
     assert "jax_zero without a distribution: refused" in out, out
 

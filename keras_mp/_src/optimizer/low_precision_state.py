@@ -173,9 +173,12 @@ class LowPrecisionMoments:
                 1.0 - ops.power(beta_1, step),
             )
             m_old, v_old = self.read(m), self.read(v)
-            m_new = ops.add(m_old, ops.multiply(ops.subtract(gradient, m_old), 1.0 - beta_1))
+            # `1 - beta` as Keras's Adam has it: a Python float.
+            m_new = ops.add(
+                m_old, ops.multiply(ops.subtract(gradient, m_old), 1 - optimizer.beta_1)
+            )
             v_new = ops.add(
-                v_old, ops.multiply(ops.subtract(ops.square(gradient), v_old), 1.0 - beta_2)
+                v_old, ops.multiply(ops.subtract(ops.square(gradient), v_old), 1 - optimizer.beta_2)
             )
             self.write(m, m_new)
             self.write(v, v_new)
