@@ -115,9 +115,8 @@ class LossScaleOptimizer(
             `"bfloat16"`, `"float32"`) and its second moment in the second
             (`"float16"` with a per-tensor scale, `"bfloat16"`,
             `"float32"`); `"float8"` is `("float8", "float16")`, MS-AMP's
-            O2: 3 bytes of state a weight instead of 8. The update is
-            computed in float32 from the moments read in float32. Usable at
-            any level.
+            O2: 3 bytes of state a weight instead of 8, the update computed
+            in float32. Any level.
         name: string or `None`. The optimizer's name.
 
     Example:
@@ -159,14 +158,7 @@ class LossScaleOptimizer(
     ):
         check_inner_only_arguments(kwargs)
         check_inner_optimizer(inner_optimizer)
-        moment_dtypes = low_precision_state.check_argument(moment_dtypes)
-        low_precision_state.check_inner(inner_optimizer, moment_dtypes)
-        if moment_dtypes is not None and master_weights == COMPENSATED:
-            raise ValueError(
-                "`moment_dtypes` and `master_weights='compensated'` both change "
-                "how Adam's moments are stored: choose one. Received: "
-                f"moment_dtypes={moment_dtypes!r}, master_weights='compensated'"
-            )
+        moment_dtypes = low_precision_state.check(inner_optimizer, moment_dtypes, master_weights)
         if initial_scale is None:
             initial_scale = 2.0**15
         dynamic_growth_steps = checked_growth_steps(dynamic, dynamic_growth_steps)
@@ -234,10 +226,7 @@ class LossScaleOptimizer(
             )
         )
 
-    @property
-    def moment_dtypes(self):
-        """`(first, second)`: the dtypes of Adam's moments, or None."""
-        return self._moment_dtypes
+    moment_dtypes = property(lambda self: self._moment_dtypes, doc="Adam's moments' dtypes.")
 
     def __setattr__(self, name, value):
         # `lso.use_ema = True` would set the wrapper's own, unused copy.

@@ -62,10 +62,18 @@ def check_argument(moment_dtypes):
     )
 
 
-def check_inner(inner_optimizer, moment_dtypes):
-    """Adam and AdamW only: their update is computed here."""
+def check(inner_optimizer, moment_dtypes, master_weights):
+    """`moment_dtypes` checked (`check_argument`), for an inner Adam or
+    AdamW (their update is computed here) without compensated updates."""
+    moment_dtypes = check_argument(moment_dtypes)
     if moment_dtypes is None:
-        return
+        return None
+    if master_weights == "compensated":
+        raise ValueError(
+            "`moment_dtypes` and `master_weights='compensated'` both change "
+            "how Adam's moments are stored: choose one. Received: "
+            f"moment_dtypes={moment_dtypes!r}, master_weights='compensated'"
+        )
     if getattr(type(inner_optimizer), "update_step", None) is not keras.optimizers.Adam.update_step:
         raise ValueError(
             "`moment_dtypes` keeps Adam's moments in low precision and computes "
@@ -73,6 +81,7 @@ def check_inner(inner_optimizer, moment_dtypes):
             "`keras.optimizers.Adam` or `AdamW`. Received: inner optimizer "
             f"{type(inner_optimizer).__name__}, moment_dtypes={moment_dtypes!r}"
         )
+    return moment_dtypes
 
 
 def bytes_per_weight(moment_dtypes, slots=2):

@@ -11,10 +11,10 @@ about, and the lists, are `layer_kinds.py`.
 
 Policies: `FLOAT32`; `MIXED` (half compute, float32 variables); `HALF` (half
 compute and variables, O3); `LEVEL_HALF` (`MIXED` at O2, `HALF` at O3);
-`FLOAT8` (Keras's float8 policy around `LEVEL_HALF`: the matmul in FP8,
-`float8.py`); `CONTAINER` (a nested model's policy: it casts its inputs);
-`KEEP` (the layer's own policy stays). `{level}` in a reason is
-the level's name; `{policy}` and `{compute}` the layer's own.
+`FLOAT8` (`LEVEL_HALF` around an FP8 matmul, `float8.py`); `CONTAINER` (a
+nested model's policy: it casts its inputs); `KEEP` (the layer's own policy
+stays). `{level}` in a reason is the level's name; `{policy}` and
+`{compute}` the layer's own.
 """
 
 import dataclasses
@@ -232,135 +232,119 @@ KEPT = (
     Rule((layer_is(computes_no_float),), KEEP, "{compute} outputs: kept"),
 )
 
-# FP8 (`amp_dtype="float8"`, O2 and O3): Keras's float8 Dense and
-# EinsumDense, but for the first and the output layers (Transformer Engine's
-# recipes keep them in higher precision) and GEMMs FP8 cannot run; bfloat16
-# elsewhere. `allow=` puts a first or output layer, or a misaligned one, in
-# FP8; `deny=` keeps a layer float32 (above).
+# FP8 (`amp_dtype="float8"`, O2, O3): Keras's float8 Dense and EinsumDense
+# but the first and output layers (Transformer Engine's recipes keep them in
+# higher precision) and GEMMs FP8 cannot run; `allow=` puts those in FP8.
 _FP8 = (in_float8, layer_is(float8.has_float8_path))
-FLOAT8_RULES = (
-    Rule(
-        _FP8 + (is_output, not_user_allowed),
-        LEVEL_HALF,
-        "{level} float8: output layer in bfloat16 (allow= for FP8)",
-    ),
-    Rule(
-        _FP8 + (is_first, not_user_allowed),
-        LEVEL_HALF,
-        "{level} float8: first layer in bfloat16 (allow= for FP8)",
-    ),
-    Rule(
-        _FP8 + (layer_is(float8.misaligned), not_user_allowed),
-        LEVEL_HALF,
-        "{level} float8: {misaligned} not a multiple of 16, bfloat16",
-    ),
-    Rule(_FP8, FLOAT8, "{level} float8: matmul in FP8 (E4M3 forward, E5M2 gradients)"),
-)
+_FP8_REASON = "{level} float8: matmul in FP8 (E4M3 forward, E5M2 gradients)"
 
-RULES = (
-    (
-        # A layer FP8 already (a model saved at this level, loaded): kept, as the
-        # quantized below, under the FP8 reason.
-        Rule(
-            (in_float8, layer_is(float8.is_float8)),
-            KEEP,
-            "{level} float8: matmul in FP8 (E4M3 forward, E5M2 gradients)",
-        ),
-    )
-    + KEPT
-    + (
-        # The model's structure.
-        Rule((is_model_io,), FLOAT32, "{level}: model, float32 inputs and outputs"),
-        # A nested model named in `deny=` is float32 through and through (an
-        # EMA copy of a network that its `train_step` assigns to).
-        Rule((is_container, user_denied), FLOAT32, "{level}: deny=, float32"),
-        Rule((is_container,), CONTAINER, "{level}: container"),
-        # A model's other output layers compute as their level says and return
-        # float32 (`boundaries.py`), a probability activation of theirs in
-        # float32; a layer that is nothing but one has no matmul to gain.
-        Rule(
-            (is_output, layer_is(computes_probabilities), not_user_allowed),
-            FLOAT32,
-            "model output: probabilities in float32",
-        ),
-        # Exact at every level.
-        Rule(
-            (layer_is(of_class(*EXACT_PREPROCESSING)),),
-            FLOAT32,
-            "indices, counts and bins: float32 at every level",
-        ),
-        # Fixed statistics (`adapt`ed, not trained), converted to the compute
-        # dtype when built: in half they would change on every reload.
-        Rule(
-            (layer_is(of_class(keras.layers.Normalization)),),
-            FLOAT32,
-            "input statistics: float32 at every level",
-        ),
-        Rule((computes(Compute.NONE),), FLOAT32, "{level}: float32"),
-        # The user's `deny=` wins at every level, over the allow-list too.
-        Rule((user_denied,), FLOAT32, "{level}: deny=, float32"),
-        # What float16 cannot hold (above); `allow=` overrides.
-        Rule(
-            (in_float16_at(*_O1_O2), layer_is(MASKS_WITH_1E9), not_user_allowed),
-            FLOAT32,
-            "{level}: masks with -1e9, own arithmetic in float32",
-        ),
-        Rule(
-            (in_float16_at(*_O1_O2), layer_is(EPS_1E12), not_user_allowed),
-            FLOAT32,
-            "{level}: normalizes with eps 1e-12 (0 in float16), own arithmetic in float32",
-        ),
-        Rule(
-            (in_float16_at(*_O1_O2), layer_is(OWN_L2_NORM), not_user_allowed),
-            FLOAT32,
-            "{level}: L2-normalizes in its own code (rsqrt's gradient overflows float16), "
-            "own arithmetic in float32",
-        ),
-        Rule(
-            (attention_needs_float32_here,),
-            FLOAT32,
-            "{level}: attention on JAX's CPU, float32 (no float16 dot there)",
-            note=_warn_jax_cpu_attention_once,
-        ),
-        # Mixture of experts: the router, and the routing, in float32.
-        Rule((router, not_user_allowed), FLOAT32, "{level}: expert router, float32"),
-        Rule(
-            (computes(Compute.DENY, Compute.ALL), layer_is(routes_experts), not_user_allowed),
-            FLOAT32,
-            "{level}: expert routing in float32 (experts in half)",
-        ),
-        # An output layer of the user's own code (a VAE's Sampling): as before
-        # the output rule, float32, no fallback to warn of; `allow=` for half.
-        Rule(
-            (is_output, layer_is(runs_users_code), not_user_allowed),
-            FLOAT32,
-            "model output: your layer, float32 (allow= for half)",
-        ),
-        # A composite layer of the user's, at O2 in float16.
-        Rule(
-            (own_arithmetic_in_float32,),
-            FLOAT32,
-            "{level}: own arithmetic in float32 (your layer; allow= for half)",
-        ),
-        # O1: the allow-list, and what is inside it but for the deny-list.
-        Rule((computes(Compute.ALLOW), on_allow_list), MIXED, "{level} allow-list"),
-        Rule(
-            (computes(Compute.ALLOW), inside_allowed, not_denied),
-            MIXED,
-            "{level}: inside an allow-listed layer",
-        ),
-        Rule((computes(Compute.ALLOW), inside_allowed), FLOAT32, "{level} deny-list"),
-        Rule((computes(Compute.ALLOW),), FLOAT32, "{level}: not on the allow-list"),
-        # O2: all but the deny-list.
-        Rule((computes(Compute.DENY), denied), FLOAT32, "{level} deny-list"),
-    )
-    + FLOAT8_RULES
-    + (
-        Rule((computes(Compute.DENY),), MIXED, "{level}: half compute, float32 variables"),
-        # O3: everything.
-        Rule((keep_batchnorm_fp32,), FLOAT32, "{level}: keep_batchnorm_fp32=True"),
-        Rule((), HALF, "{level}: half everywhere"),
-    )
+
+def _fp8_in_bfloat16(condition, reason):
+    return Rule(_FP8 + (condition, not_user_allowed), LEVEL_HALF, "{level} float8: " + reason)
+
+
+FLOAT8_RULES = (
+    _fp8_in_bfloat16(is_output, "output layer in bfloat16 (allow= for FP8)"),
+    _fp8_in_bfloat16(is_first, "first layer in bfloat16 (allow= for FP8)"),
+    _fp8_in_bfloat16(layer_is(float8.misaligned), "{misaligned} not a multiple of 16, bfloat16"),
+    Rule(_FP8, FLOAT8, _FP8_REASON),
+)
+# A layer FP8 already (a model saved at this level, loaded): kept under FP8's reason.
+KEPT_FP8 = (Rule((in_float8, layer_is(float8.is_float8)), KEEP, _FP8_REASON),)
+
+RULES = KEPT_FP8 + KEPT
+RULES += (
+    # The model's structure.
+    Rule((is_model_io,), FLOAT32, "{level}: model, float32 inputs and outputs"),
+    # A nested model named in `deny=` is float32 through and through (an
+    # EMA copy of a network that its `train_step` assigns to).
+    Rule((is_container, user_denied), FLOAT32, "{level}: deny=, float32"),
+    Rule((is_container,), CONTAINER, "{level}: container"),
+    # A model's other output layers compute as their level says and return
+    # float32 (`boundaries.py`), a probability activation of theirs in
+    # float32; a layer that is nothing but one has no matmul to gain.
+    Rule(
+        (is_output, layer_is(computes_probabilities), not_user_allowed),
+        FLOAT32,
+        "model output: probabilities in float32",
+    ),
+    # Exact at every level.
+    Rule(
+        (layer_is(of_class(*EXACT_PREPROCESSING)),),
+        FLOAT32,
+        "indices, counts and bins: float32 at every level",
+    ),
+    # Fixed statistics (`adapt`ed, not trained), converted to the compute
+    # dtype when built: in half they would change on every reload.
+    Rule(
+        (layer_is(of_class(keras.layers.Normalization)),),
+        FLOAT32,
+        "input statistics: float32 at every level",
+    ),
+    Rule((computes(Compute.NONE),), FLOAT32, "{level}: float32"),
+    # The user's `deny=` wins at every level, over the allow-list too.
+    Rule((user_denied,), FLOAT32, "{level}: deny=, float32"),
+    # What float16 cannot hold (above); `allow=` overrides.
+    Rule(
+        (in_float16_at(*_O1_O2), layer_is(MASKS_WITH_1E9), not_user_allowed),
+        FLOAT32,
+        "{level}: masks with -1e9, own arithmetic in float32",
+    ),
+    Rule(
+        (in_float16_at(*_O1_O2), layer_is(EPS_1E12), not_user_allowed),
+        FLOAT32,
+        "{level}: normalizes with eps 1e-12 (0 in float16), own arithmetic in float32",
+    ),
+    Rule(
+        (in_float16_at(*_O1_O2), layer_is(OWN_L2_NORM), not_user_allowed),
+        FLOAT32,
+        "{level}: L2-normalizes in its own code (rsqrt's gradient overflows float16), "
+        "own arithmetic in float32",
+    ),
+    Rule(
+        (attention_needs_float32_here,),
+        FLOAT32,
+        "{level}: attention on JAX's CPU, float32 (no float16 dot there)",
+        note=_warn_jax_cpu_attention_once,
+    ),
+    # Mixture of experts: the router, and the routing, in float32.
+    Rule((router, not_user_allowed), FLOAT32, "{level}: expert router, float32"),
+    Rule(
+        (computes(Compute.DENY, Compute.ALL), layer_is(routes_experts), not_user_allowed),
+        FLOAT32,
+        "{level}: expert routing in float32 (experts in half)",
+    ),
+    # An output layer of the user's own code (a VAE's Sampling): as before
+    # the output rule, float32, no fallback to warn of; `allow=` for half.
+    Rule(
+        (is_output, layer_is(runs_users_code), not_user_allowed),
+        FLOAT32,
+        "model output: your layer, float32 (allow= for half)",
+    ),
+    # A composite layer of the user's, at O2 in float16.
+    Rule(
+        (own_arithmetic_in_float32,),
+        FLOAT32,
+        "{level}: own arithmetic in float32 (your layer; allow= for half)",
+    ),
+    # O1: the allow-list, and what is inside it but for the deny-list.
+    Rule((computes(Compute.ALLOW), on_allow_list), MIXED, "{level} allow-list"),
+    Rule(
+        (computes(Compute.ALLOW), inside_allowed, not_denied),
+        MIXED,
+        "{level}: inside an allow-listed layer",
+    ),
+    Rule((computes(Compute.ALLOW), inside_allowed), FLOAT32, "{level} deny-list"),
+    Rule((computes(Compute.ALLOW),), FLOAT32, "{level}: not on the allow-list"),
+    # O2: all but the deny-list.
+    Rule((computes(Compute.DENY), denied), FLOAT32, "{level} deny-list"),
+)
+# FP8's choice of matmuls, before the levels' half rows.
+RULES += FLOAT8_RULES + (
+    Rule((computes(Compute.DENY),), MIXED, "{level}: half compute, float32 variables"),
+    # O3: everything.
+    Rule((keep_batchnorm_fp32,), FLOAT32, "{level}: keep_batchnorm_fp32=True"),
+    Rule((), HALF, "{level}: half everywhere"),
 )
 
 
