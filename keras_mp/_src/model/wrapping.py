@@ -333,6 +333,9 @@ def describe(optimizer, half_variables=True):
         parts.append("float32 master weights for half variables")
     elif half_variables and optimizer.master_weights:
         parts.append("compensated bfloat16 updates")
+    moments = getattr(optimizer, "moment_dtypes", None)
+    if moments:
+        parts.append(f"Adam's moments in {moments[0]} and {moments[1]}")
     return ", ".join(parts)
 
 
