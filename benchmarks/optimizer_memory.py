@@ -39,6 +39,18 @@ CONFIGS = {
         "amp_dtype": "bfloat16",
         "shard_optimizer_state": True,
     },
+    # Adam's moments in FP8 and float16 (MS-AMP's O2), alone and sharded.
+    "O2 bfloat16, moment_dtypes='float8'": {
+        "amp_level": "O2",
+        "amp_dtype": "bfloat16",
+        "moment_dtypes": "float8",
+    },
+    "O2 float8, moment_dtypes='float8', shard_optimizer_state=True": {
+        "amp_level": "O2",
+        "amp_dtype": "float8",
+        "moment_dtypes": "float8",
+        "shard_optimizer_state": True,
+    },
 }
 
 
@@ -65,10 +77,21 @@ def gemma(amp):
     )
     model = keras_hub.models.GemmaCausalLM(backbone, preprocessor=None)
     keras.config.set_dtype_policy("float32")
+    amp = dict(amp or {})
+    optimizer = keras.optimizers.Adam(1e-3)
+    moments = amp.pop("moment_dtypes", None)
+    if moments:
+        optimizer = keras_mp.LossScaleOptimizer(
+            optimizer,
+            dynamic=False,
+            initial_scale=1.0,
+            moment_dtypes=moments,
+            shard_optimizer_state=amp.get("shard_optimizer_state", False),
+        )
     model.compile(
-        optimizer=keras.optimizers.Adam(1e-3),
+        optimizer=optimizer,
         loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
-        **(amp or {}),
+        **amp,
     )
     rng = np.random.default_rng(0)
     ids = rng.integers(1, 1024, size=(8, 16)).astype("int32")
@@ -114,6 +137,12 @@ def main():
         "O2 bfloat16": (4, 0, 8),
         "O3 bfloat16": (2, 4, 8),
         "O3 bfloat16, shard_optimizer_state=True": (2, 4 / devices, 8 / devices),
+        "O2 bfloat16, moment_dtypes='float8'": (4, 0, 3),
+        "O3 bfloat16, moment_dtypes='float8', shard_optimizer_state=True": (
+            2,
+            4 / devices,
+            3 / devices,
+        ),
     }.items():
         gb = lambda b: f"{b * params / 1e9:.1f}"  # noqa: E731
         total = weights + copies + slots

@@ -53,6 +53,10 @@ CONFIGS = (
     # O2, its logits cast to float32 by the loss: the rule of issue 54.
     "O2 float16 +head",
     "O2 bfloat16 +head",
+    # FP8 matmuls (Keras's float8 layers, XLA's FP8 GEMMs on H100/H200), and
+    # with Adam's moments in FP8/float16 as well (issue 56).
+    "O2 float8",
+    "O2 float8 +moments",
 )
 BATCH = {"resnet50": 128, "gemma": 16}
 # Each configuration's largest batch is searched at these levels.
@@ -145,6 +149,12 @@ def _compiled(keras, name, config, tiny, jit_compile):
         return model, data
     model, loss, data = _build(keras, name, tiny)
     level, dtype = (config.split() + ["float16"])[:2]
+    if config.endswith("+moments"):
+        import keras_mp
+
+        optimizer = keras_mp.LossScaleOptimizer(
+            optimizer, dynamic=False, initial_scale=1.0, moment_dtypes="float8"
+        )
     model.compile(
         optimizer=optimizer,
         loss=loss,
@@ -180,7 +190,7 @@ def _bounds(keras, keras_mp, name, tiny, batch, gpu):
     x, _ = data(batch)
     bounds = {}
     for config in CONFIGS:
-        if not config.startswith(("O1", "O2", "O3")) or config.endswith("+head"):
+        if not config.startswith(("O1", "O2", "O3")) or config.endswith(("+head", "+moments")):
             continue
         level, dtype = config.split()
         summary = keras_mp.speed_report(model, x, level=level, dtype=dtype, gpu=gpu).summary
