@@ -198,13 +198,14 @@ real() {
     local b
     for b in $BACKENDS; do
         step 480 "real_$b" env KERAS_BACKEND=$b python3 real_models.py --rounds "${REAL_ROUNDS:-3}" \
-            --configs O0 "O0 float32" "O2 float16" "O2 bfloat16" "O3 bfloat16"
+            --configs O0 "O0 float32" "O2 float16" "O2 bfloat16" "O3 bfloat16" "O2 float8" \
+            "O2 float8 +moments"
     done
 }
 
 real_memory() {
     step 480 real_memory python3 real_models.py --all --backends $BACKENDS --memory \
-        --configs O0 "O2 float16" "O2 bfloat16" "O3 bfloat16"
+        --configs O0 "O2 float16" "O2 bfloat16" "O3 bfloat16" "O2 float8" "O2 float8 +moments"
     step 480 real_max_batch python3 real_models.py --all --backends $BACKENDS --max-batch \
         --models gemma --start-batch 16
 }

@@ -40,7 +40,7 @@ nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv >> "$LEASE/
 has() { [[ " ${STEPS:-jax_gemma jax_resnet tf torch} " == *" $1 "* ]]; }
 has jax_gemma && step 240 jax_gemma env KERAS_BACKEND=jax XLA_FLAGS="$(dump jax_gemma "$JAX_MODULES")" \
     python3 real_models.py ${TINY:-} --models gemma --rounds 3 --configs O0 "O0 float32" "O2 float16" \
-    "O2 bfloat16" "O2 bfloat16 +head" "keras mixed_bfloat16"
+    "O2 bfloat16" "O2 bfloat16 +head" "keras mixed_bfloat16" "O2 float8" "O2 float8 +moments"
 has jax_resnet && step 240 jax_resnet env KERAS_BACKEND=jax XLA_FLAGS="$(dump jax_resnet "$JAX_MODULES")" \
     python3 real_models.py ${TINY:-} --models resnet50 --rounds 3 --configs O0 "O0 float32" "O2 float16" \
     "keras mixed_float16"
