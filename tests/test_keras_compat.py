@@ -211,7 +211,7 @@ class LossScaleOptimizerTest(testing.TestCase):
         )
         config = optimizer.get_config()
         # keras_mp: every argument is in the config (Keras has 4 keys).
-        self.assertLen(config, 12)
+        self.assertLen(config, 13)
         self.assertEqual(config["name"], "test_opt")
         self.assertEqual(config["initial_scale"], 3.0)
         self.assertEqual(config["dynamic_growth_steps"], 2)

@@ -30,6 +30,7 @@ def test_public_names():
     assert set(keras_mp.__all__) == {
         "ALLOW_LIST",
         "DENY_LIST",
+        "Float8Recipe",
         "HALF_DTYPES",
         "LEVELS",
         "LossScaleOptimizer",
