@@ -280,6 +280,25 @@ def test_savedmodel_export_serves_float32(tmp_path):
     np.testing.assert_allclose(served32.serve(tf.constant(x)).numpy(), twin(x), atol=1e-5)
 
 
+def test_onnx_serves_an_fp8_model_as_a_float32_copy(tmp_path):
+    """ONNX runs no bfloat16 (README's table): an FP8 model, bfloat16 around
+    its FP8 matmuls, is served as its float32 copy, a float32 twin's
+    forward pass, by onnxruntime."""
+    ort = pytest.importorskip("onnxruntime")
+    model = _mlp()
+    x, y = _digits()
+    model.compile(optimizer="adam", loss=_loss(), amp_level="O2", amp_dtype="float8")
+    model.fit(x, y, batch_size=32, epochs=1, verbose=0)
+    path = str(tmp_path / "model.onnx")
+    model.export(path, format="onnx", verbose=False)
+    session = ort.InferenceSession(path, providers=["CPUExecutionProvider"])
+    (served,) = session.run(None, {session.get_inputs()[0].name: x})
+    twin = _mlp()
+    twin.set_weights(_numpy(w for w in model.weights if w.path.endswith(("kernel", "bias"))))
+    assert served.dtype == np.float32
+    np.testing.assert_allclose(served, keras.ops.convert_to_numpy(twin(x)), atol=1e-5)
+
+
 def _readme_loop(model, optimizer, loss_fn):
     """README's custom loop of this backend, returning `run_step(x, y)`."""
     if BACKEND == "tensorflow":
