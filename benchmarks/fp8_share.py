@@ -21,27 +21,14 @@ import _checkout  # noqa: F401  (this checkout's keras_mp, and the repository's 
 BACKENDS = ("tensorflow", "jax", "torch")
 
 
-def _mlp(keras, np):
-    keras.utils.set_random_seed(0)
-    model = keras.Sequential(
-        [keras.Input((64,))]
-        + [keras.layers.Dense(64, activation="relu") for _ in range(3)]
-        + [keras.layers.Dense(10)]
-    )
-    x = np.random.default_rng(0).normal(size=(32, 64)).astype("float32")
-    loss = keras.losses.SparseCategoricalCrossentropy(from_logits=True)
-    return model, x, np.zeros(32, "int32"), loss
-
-
 def one_backend():
     import keras
-    import numpy as np
 
     import keras_mp
     from keras_mp._src import backends
     from tests.zoo import families
 
-    builders = {**families.FP8, "digits MLP": lambda: _mlp(keras, np)}
+    builders = {**families.FP8, "digits MLP": families.fp8_mlp}
     for name, build in builders.items():
         for level in ("O2", "O3"):
             keras.utils.set_random_seed(0)

@@ -127,17 +127,6 @@ def test_a_census_counts_what_the_model_computes():
 FP8_FAMILIES = {**families.FP8, "mlp": None}
 
 
-def _fp8_mlp():
-    keras.utils.set_random_seed(0)
-    model = keras.Sequential(
-        [keras.Input((64,))]
-        + [keras.layers.Dense(64, activation="relu") for _ in range(3)]
-        + [keras.layers.Dense(10)]
-    )
-    x = np.random.default_rng(0).normal(size=(32, 64)).astype("float32")
-    return model, x, np.zeros(32, "int32"), keras.losses.SparseCategoricalCrossentropy(True)
-
-
 # Each family at one of the two FP8 levels, in turn (their choice of
 # matmuls is the same; CI's time).
 FP8_CELLS = [(f, ("O2", "O3")[i % 2]) for i, f in enumerate(FP8_FAMILIES)]
@@ -151,7 +140,7 @@ def test_every_fp8_matmul_is_quantized_and_dequantized_in_the_compiled_step(fami
     FLOPs are `speed_report`'s (none of them is a first layer's, whose input
     gradient a program may drop)."""
     keras.utils.set_random_seed(0)
-    model, x, y, loss = _fp8_mlp() if family == "mlp" else families.FP8[family]()
+    model, x, y, loss = families.fp8_mlp() if family == "mlp" else families.FP8[family]()
     model.compile(optimizer="adam", loss=loss, amp_level=level, amp_dtype="float8")
     chosen = [r for r in keras_mp.precision_summary(model).rows if "matmul in FP8" in r["rule"]]
     assert chosen

@@ -7,6 +7,8 @@ paths (masks, residuals, gates, BatchNorm, preprocessing layers) as the
 full-size model.
 """
 
+import functools
+
 import keras
 import keras_hub
 import numpy as np
@@ -25,64 +27,73 @@ def _rng():
     return np.random.default_rng(0)
 
 
-def _tokens(rng):
-    ids = rng.integers(1, VOCAB, size=(BATCH, SEQ)).astype("int32")
-    padding = np.ones((BATCH, SEQ), "int32")
+def _tokens(rng, vocabulary=VOCAB, seq=SEQ):
+    ids = rng.integers(1, vocabulary, size=(BATCH, seq)).astype("int32")
+    padding = np.ones((BATCH, seq), "int32")
     padding[:, -3:] = 0  # padded tail, masked in attention
     ids[padding == 0] = 0
     return ids, padding
 
 
-def bert(dtype=None):
+def bert(dtype=None, vocabulary=VOCAB, seq=SEQ, hidden_dim=16, intermediate_dim=32):
     """`dtype` as `from_preset(..., dtype=...)` passes it to the backbone."""
     rng = _rng()
     backbone = keras_hub.models.BertBackbone(
-        vocabulary_size=VOCAB,
+        vocabulary_size=vocabulary,
         num_layers=2,
         num_heads=2,
-        hidden_dim=16,
-        intermediate_dim=32,
+        hidden_dim=hidden_dim,
+        intermediate_dim=intermediate_dim,
         max_sequence_length=16,
         dtype=dtype,
     )
     model = keras_hub.models.BertTextClassifier(backbone, num_classes=3, preprocessor=None)
-    ids, padding = _tokens(rng)
+    ids, padding = _tokens(rng, vocabulary, seq)
     x = {"token_ids": ids, "padding_mask": padding, "segment_ids": np.zeros_like(ids)}
     return model, x, rng.integers(0, 3, BATCH), _logits_loss()
 
 
-def _causal_lm(rng, model):
+def _causal_lm(rng, model, vocabulary=VOCAB, seq=SEQ):
     """A causal LM task with its batch: token ids, padding mask, next tokens."""
-    ids, padding = _tokens(rng)
+    ids, padding = _tokens(rng, vocabulary, seq)
     x = {"token_ids": ids, "padding_mask": padding}
-    return model, x, rng.integers(0, VOCAB, (BATCH, SEQ)), _logits_loss()
+    return model, x, rng.integers(0, vocabulary, (BATCH, seq)), _logits_loss()
 
 
-def gpt2():
+def gpt2(vocabulary=VOCAB, seq=SEQ, hidden_dim=16, intermediate_dim=32):
     rng = _rng()
     backbone = keras_hub.models.GPT2Backbone(
-        vocabulary_size=VOCAB,
+        vocabulary_size=vocabulary,
         num_layers=2,
         num_heads=2,
-        hidden_dim=16,
-        intermediate_dim=32,
+        hidden_dim=hidden_dim,
+        intermediate_dim=intermediate_dim,
         max_sequence_length=16,
     )
-    return _causal_lm(rng, keras_hub.models.GPT2CausalLM(backbone, preprocessor=None))
+    model = keras_hub.models.GPT2CausalLM(backbone, preprocessor=None)
+    return _causal_lm(rng, model, vocabulary, seq)
 
 
-def gemma(num_key_value_heads=1):
+def gemma(
+    num_key_value_heads=1,
+    vocabulary=VOCAB,
+    seq=SEQ,
+    hidden_dim=16,
+    intermediate_dim=32,
+    head_dim=8,
+):
     rng = _rng()
     backbone = keras_hub.models.GemmaBackbone(
-        vocabulary_size=VOCAB,
+        vocabulary_size=vocabulary,
         num_layers=2,
         num_query_heads=2,
         num_key_value_heads=num_key_value_heads,
-        hidden_dim=16,
-        intermediate_dim=32,
-        head_dim=8,
+        hidden_dim=hidden_dim,
+        intermediate_dim=intermediate_dim,
+        head_dim=head_dim,
     )
-    return _causal_lm(rng, keras_hub.models.GemmaCausalLM(backbone, preprocessor=None))
+    model = keras_hub.models.GemmaCausalLM(backbone, preprocessor=None)
+    return _causal_lm(rng, model, vocabulary, seq)
 
 
 def mixtral():
@@ -373,62 +384,17 @@ KERAS_HUB = {
 }
 # FP8-aligned configurations (every GEMM dimension a multiple of 16), for
 # `amp_dtype="float8"`: the families above have 8-wide heads.
-FP8_VOCAB, FP8_SEQ = 128, 16
+_FP8_SIZES = dict(vocabulary=128, seq=16, hidden_dim=32, intermediate_dim=64)
 
 
-def _fp8_tokens():
-    rng = np.random.default_rng(0)
-    ids = rng.integers(1, FP8_VOCAB, size=(BATCH, FP8_SEQ)).astype("int32")
-    padding = np.ones((BATCH, FP8_SEQ), "int32")
-    padding[:, -3:] = 0
-    ids[padding == 0] = 0
-    return rng, ids, padding
-
-
-def gemma_fp8():
-    rng, ids, padding = _fp8_tokens()
-    backbone = keras_hub.models.GemmaBackbone(
-        vocabulary_size=FP8_VOCAB,
-        num_layers=2,
-        num_query_heads=2,
-        num_key_value_heads=1,
-        hidden_dim=32,
-        intermediate_dim=64,
-        head_dim=16,
-    )
-    model = keras_hub.models.GemmaCausalLM(backbone, preprocessor=None)
-    x = {"token_ids": ids, "padding_mask": padding}
-    return model, x, rng.integers(0, FP8_VOCAB, (BATCH, FP8_SEQ)), _logits_loss()
-
-
-def gpt2_fp8():
-    rng, ids, padding = _fp8_tokens()
-    backbone = keras_hub.models.GPT2Backbone(
-        vocabulary_size=FP8_VOCAB,
-        num_layers=2,
-        num_heads=2,
-        hidden_dim=32,
-        intermediate_dim=64,
-        max_sequence_length=FP8_SEQ,
-    )
-    model = keras_hub.models.GPT2CausalLM(backbone, preprocessor=None)
-    x = {"token_ids": ids, "padding_mask": padding}
-    return model, x, rng.integers(0, FP8_VOCAB, (BATCH, FP8_SEQ)), _logits_loss()
-
-
-def bert_fp8():
-    rng, ids, padding = _fp8_tokens()
-    backbone = keras_hub.models.BertBackbone(
-        vocabulary_size=FP8_VOCAB,
-        num_layers=2,
-        num_heads=2,
-        hidden_dim=32,
-        intermediate_dim=64,
-        max_sequence_length=FP8_SEQ,
-    )
-    model = keras_hub.models.BertTextClassifier(backbone, num_classes=3, preprocessor=None)
-    x = {"token_ids": ids, "padding_mask": padding, "segment_ids": np.zeros_like(ids)}
-    return model, x, rng.integers(0, 3, BATCH), _logits_loss()
+def fp8_mlp():
+    """The digits MLP's shape, 64-64-64-64-10: two layers between the first
+    and the output one in FP8."""
+    keras.utils.set_random_seed(0)
+    layers = [keras.layers.Dense(64, activation="relu") for _ in range(3)]
+    model = keras.Sequential([keras.Input((64,)), *layers, keras.layers.Dense(10)])
+    x = _rng().normal(size=(32, 64)).astype("float32")
+    return model, x, np.zeros(32, "int32"), _logits_loss()
 
 
 APPLICATIONS = {
@@ -443,4 +409,8 @@ OTHERS = {
     "two_outputs": two_outputs,
 }
 FAMILIES = {**KERAS_HUB, **APPLICATIONS, **OTHERS}
-FP8 = {"gemma": gemma_fp8, "gpt2": gpt2_fp8, "bert": bert_fp8}
+FP8 = {
+    "gemma": functools.partial(gemma, head_dim=16, **_FP8_SIZES),
+    "gpt2": functools.partial(gpt2, **_FP8_SIZES),
+    "bert": functools.partial(bert, **_FP8_SIZES),
+}
