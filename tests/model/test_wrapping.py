@@ -474,14 +474,14 @@ def _unmoved(before, networks):
 
 
 @pytest.mark.skipif(BACKEND != "tensorflow", reason="keras-io's WGAN-GP: TensorFlow")
-@pytest.mark.parametrize("level, dtype", [("O2", "float16"), ("O3", "bfloat16")])
-def test_keras_io_wgan_gp_trains_as_written(level, dtype):
+def test_keras_io_wgan_gp_trains_as_written():
     """Its gradient penalty (a tape inside the tape) and three
     discriminator steps per generator step: both optimizers wrapped, both
-    networks learn, the losses follow the O0 float32 run's."""
+    networks learn, the losses follow the O0 float32 run's, at O2 float16
+    and O3 bfloat16 (one test: one O0 run for both, CI's time)."""
     x, _ = keras_io.digits(128)
 
-    def run(level):
+    def run(level, dtype=None):
         model = keras_io.wgan()
         if level != "O0":
             keras_mp.apply_amp(model, level, dtype)
@@ -492,16 +492,20 @@ def test_keras_io_wgan_gp_trains_as_written(level, dtype):
         return model, before, networks, history.history
 
     _, before_o0, networks_o0, reference = run("O0")
-    model, before, networks, logs = run(level)
     # WGAN's critic loss is a difference of means: its last bias gets a zero
     # gradient, at O0 too. Every other weight moves, as at O0.
-    assert _unmoved(before, networks) == _unmoved(before_o0, networks_o0) == [(0, 5)]
-    for name in ("d_optimizer", "g_optimizer"):
-        assert isinstance(getattr(model, name), keras_mp.LossScaleOptimizer), name
-        assert f"{name}_skipped_steps" in logs
-    for key in ("d_loss", "g_loss"):
-        assert np.isfinite(logs[key]).all(), key
-        np.testing.assert_allclose(logs[key], reference[key], rtol=0.2, atol=0.2, err_msg=key)
+    assert _unmoved(before_o0, networks_o0) == [(0, 5)]
+    for level, dtype in (("O2", "float16"), ("O3", "bfloat16")):
+        model, before, networks, logs = run(level, dtype)
+        assert _unmoved(before, networks) == [(0, 5)], level
+        for name in ("d_optimizer", "g_optimizer"):
+            assert isinstance(getattr(model, name), keras_mp.LossScaleOptimizer), name
+            assert f"{name}_skipped_steps" in logs
+        for key in ("d_loss", "g_loss"):
+            assert np.isfinite(logs[key]).all(), (level, key)
+            np.testing.assert_allclose(
+                logs[key], reference[key], rtol=0.2, atol=0.2, err_msg=f"{level} {key}"
+            )
 
 
 @pytest.mark.skipif(BACKEND != "tensorflow", reason="keras-io's CycleGAN: TensorFlow")

@@ -274,6 +274,11 @@ def test_master_weights_need_a_bool_and_agree_with_the_optimizer():
         _model().compile(optimizer="sgd", loss="mse", master_weights=True)
 
 
+@pytest.mark.skipif(
+    keras.backend.backend() == "jax",
+    reason="CI time: each fit compiles BERT on JAX (45 s); O3's copies on JAX: "
+    "test_o3_bfloat16_follows_float32_training",
+)
 def test_lora_fine_tuning_of_a_bfloat16_keras_hub_model():
     """A KerasHub BERT built in bfloat16 (`from_preset(..., dtype=...)`),
     fine-tuned with LoRA and Adam at O3 bfloat16. Keras creates LoRA weights
@@ -316,9 +321,8 @@ def test_lora_fine_tuning_of_a_bfloat16_keras_hub_model():
     assert reference > 0
     moved = np.linalg.norm(lora_updates("O3")) / reference
     assert 0.5 < moved < 2, moved
-    if keras.backend.backend() != "jax":  # each fit compiles BERT there (CI time)
-        moved = np.linalg.norm(lora_updates("O3", lora_first=False)) / reference
-        assert 0.5 < moved < 2, moved
+    moved = np.linalg.norm(lora_updates("O3", lora_first=False)) / reference
+    assert 0.5 < moved < 2, moved
 
 
 def test_state_is_named_after_its_variable(tmp_path):

@@ -76,7 +76,21 @@ def _predict(model, x):
     return np.asarray(keras.ops.convert_to_numpy(model.predict(x, verbose=0)), "float32")
 
 
-@pytest.mark.parametrize("level, dtype", [("O2", "float16"), ("O3", "bfloat16")])
+@pytest.mark.parametrize(
+    "level, dtype",
+    [
+        ("O2", "float16"),
+        pytest.param(
+            "O3",
+            "bfloat16",
+            marks=pytest.mark.skipif(
+                keras.backend.backend() == "jax",
+                reason="CI time: each predict compiles the Gemma on JAX; float16 is the "
+                "dtype whose constant was wrong",
+            ),
+        ),
+    ],
+)
 def test_a_keras_hub_gemma_reloads_exactly_trained_or_not(tmp_path, level, dtype):
     """GemmaBackbone scales its embeddings by `ops.cast(sqrt(hidden_dim),
     x.dtype)`, a constant of its graph in the dtype it was built in. Rebuilt
