@@ -45,10 +45,12 @@ def test_jax_data_parallel():
 
 @pytest.mark.skipif(BACKEND != "jax", reason="keras.distribution on JAX")
 def test_jax_model_parallel_at_every_level():
-    """`ModelParallel` + `LayoutMap` on a 2 x 2 mesh, O1-O3 in float16 and
-    bfloat16: master copies and slots laid out like their variables, the
-    single-device run's steps, and an exact `.keras` round trip."""
-    cases = [f"{level}-{half}" for level in ("O1", "O2", "O3") for half in ("float16", "bfloat16")]
+    """`ModelParallel` + `LayoutMap` on a 2 x 2 mesh, O1 and O2 in float16,
+    O3 in bfloat16 and float16: master copies and slots laid out like their
+    variables, the single-device run's steps, and an exact `.keras` round
+    trip. (O1/O2 in bfloat16 differ from float16 by the dtype and the
+    scale's absence only, both checked by every other cell; CI's time.)"""
+    cases = ["O1-float16", "O2-float16", "O3-bfloat16", "O3-float16"]
     processes.run_cases(WORKER, "jax_model_parallel", "jax", cases)
 
 

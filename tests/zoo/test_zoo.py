@@ -378,9 +378,11 @@ _BEYOND_FLOAT16_CELLS = [
     pytest.param(family, level, half, id=f"{family}-{level}-{half}")
     for family in BEYOND_FLOAT16
     for level, half in (("O1", "float16"), ("O2", "float16"), ("O3", "bfloat16"))
-    # TensorFlow and JAX compile `fit` in O2 float16 (10-40 s a cell on a
-    # CPU); PyTorch runs every cell (1-2 s a cell).
-    if TORCH or (level, half) == ("O2", "float16")
+    # TensorFlow, the main backend, compiles `fit` in O2 float16 (10-40 s a
+    # cell on a CPU); PyTorch runs every cell (1-2 s a cell). The rules and
+    # the layers' arithmetic are the same on JAX, whose compiled float16
+    # step the level matrix trains (CI's time).
+    if TORCH or (BACKEND == "tensorflow" and (level, half) == ("O2", "float16"))
 ]
 _KERAS_MIXED_FLOAT16_IS_NAN = {}
 
