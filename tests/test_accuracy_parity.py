@@ -3,8 +3,8 @@
 A small CNN trained at O0, O1 (bfloat16), O2 (float16) and O3 (bfloat16,
 with master weights), with fixed seeds and enough epochs to converge: each
 level's test accuracy, averaged over the same few seeds, is within 1 point
-of the float32 (O0) one. All of them on TensorFlow, O2 on every backend (in bfloat16 on
-PyTorch, whose CPU float16 convolutions are emulated).
+of the float32 (O0) one. All of them on TensorFlow, O2 on every backend
+(in bfloat16 on PyTorch, whose CPU float16 convolutions are emulated).
 
 Why an average and not one seed: the test set is 597 images, and float32
 against itself with another seed already moves by up to 8 of them (1.3
@@ -30,6 +30,7 @@ EPOCHS = 40
 BATCH = 64
 TRAIN = 1200
 SEEDS = (0, 1, 2)
+BACKEND = keras.backend.backend()
 
 
 @functools.cache
@@ -46,7 +47,7 @@ def _digits():
 # TensorFlow's float16 cell compiles with XLA, as TensorFlow does on a GPU
 # by default: its CPU float16 kernels are emulated (49 s a seed without XLA,
 # 12 s with it). The bfloat16 cells keep TensorFlow's own kernels.
-_XLA_ON_TENSORFLOW = True if keras.backend.backend() == "tensorflow" else "auto"
+_XLA_ON_TENSORFLOW = True if BACKEND == "tensorflow" else "auto"
 
 
 def _accuracy(level, dtype, seed, **amp):
@@ -89,7 +90,7 @@ def float32_accuracies(tmp_path_factory):
     """Computed once per backend and run: pytest-xdist's workers share it
     through a file (a baseline costs 20-40 s a worker otherwise)."""
     shared = tmp_path_factory.getbasetemp().parent
-    path = shared / f"float32_accuracies_{keras.backend.backend()}.json"
+    path = shared / f"float32_accuracies_{BACKEND}.json"
     with filelock.FileLock(str(path) + ".lock"):
         if path.is_file():
             accuracies = json.loads(path.read_text())
@@ -110,9 +111,7 @@ def float32_accuracies(tmp_path_factory):
 # and trains the zoo's families (test_zoo.py) and examples/lenet5_amp.py on
 # the digits (test_examples.py). The other cells' policies are the same
 # code on every backend, and O3's master-weight updates follow float32's
-# step by step on each backend
-# (test_master_weights.py).
-BACKEND = keras.backend.backend()
+# step by step on each backend (test_master_weights.py).
 MAIN_BACKEND_ONLY = pytest.mark.skipif(
     BACKEND != "tensorflow",
     reason="on the main backend only (CI time); O2 runs on every backend",

@@ -43,9 +43,9 @@ ROUTED = {"mixtral"}
 # (`test_application_trains_compiled`). `-m "not heavy"` leaves them out
 # locally; CI runs them.
 HEAVY = set(families.APPLICATIONS)
-# The other families compile `fit` (graph on TensorFlow, XLA on JAX) in one
-# cell per level and at least one per dtype, and run the others eagerly: the
-# policies and casts are the same, and compiling costs 3-10 s a cell.
+# The cells a family's `fit` is compiled in (graph on TensorFlow, XLA on
+# JAX): one per level and at least one per dtype; the others run eagerly
+# (the policies and casts are the same, and compiling costs 3-10 s a cell).
 COMPILED = {("O1", "float16"), ("O2", "float16"), ("O3", "bfloat16")}
 # Which backend proves what (CI's time). The levels' policies and casts are
 # the same Keras code on every backend; a backend adds its own step and, on
@@ -70,10 +70,15 @@ def _turn(family):
     return list(families.FAMILIES).index(family)
 
 
+def _compiled_cell(family):
+    """The one COMPILED cell a family trains in on TensorFlow and JAX."""
+    return sorted(COMPILED)[_turn(family) % len(COMPILED)]
+
+
 def _jax_cells(family):
     if family in HEAVY and family not in JAX_APPLICATIONS:
         return set()
-    return {sorted(COMPILED)[_turn(family) % len(COMPILED)]}
+    return {_compiled_cell(family)}
 
 
 def _cells(family):
@@ -84,7 +89,7 @@ def _cells(family):
     if family in HEAVY:
         cells = {every[(2 * turn) % len(every)], every[(2 * turn + 1) % len(every)]}
         return cells if TORCH else {every[turn % len(every)]}
-    compiled = COMPILED if TORCH else {sorted(COMPILED)[turn % len(COMPILED)]}
+    compiled = COMPILED if TORCH else {_compiled_cell(family)}
     return compiled | {eager[turn % len(eager)]}
 
 
