@@ -34,13 +34,14 @@ import os
 import statistics
 import subprocess
 import sys
+import time
 
 import _checkout  # noqa: F401  (this checkout's keras_mp, not an installed one)
 from _common import JIT_COMPILE
 from lso_overhead import _steady_state_timer
 
 BACKENDS = ("tensorflow", "jax", "torch")
-MODELS = ("resnet50", "gemma")
+MODELS = ("resnet50", "gemma", "gemma1b")
 CONFIGS = (
     "O0",
     "O0 float32",
@@ -58,7 +59,7 @@ CONFIGS = (
     "O2 float8",
     "O2 float8 +moments",
 )
-BATCH = {"resnet50": 128, "gemma": 16}
+BATCH = {"resnet50": 128, "gemma": 16, "gemma1b": 8}
 # Each configuration's largest batch is searched at these levels.
 MAX_BATCH_CONFIGS = ("O0", "O2 float16", "O2 bfloat16", "O3 bfloat16")
 GPU_NAMES = ("H200", "H100", "A100", "L4", "T4")  # speed_report's table
@@ -84,6 +85,10 @@ def _build(keras, name, tiny):
         dict(vocabulary_size=64, num_layers=2, num_query_heads=2, num_key_value_heads=2,
              hidden_dim=32, intermediate_dim=64, head_dim=16)
         if tiny
+        # ~1.1B parameters: 65.5M in the embedding, 67.1M a layer (FP8's size).
+        else dict(vocabulary_size=32000, num_layers=16, num_query_heads=16,
+                  num_key_value_heads=16, hidden_dim=2048, intermediate_dim=16384, head_dim=128)
+        if name == "gemma1b"
         # ~100M parameters: 24.6M in the embedding, 9.4M a layer.
         else dict(vocabulary_size=32000, num_layers=8, num_query_heads=12,
                   num_key_value_heads=12, hidden_dim=768, intermediate_dim=6144, head_dim=64)
@@ -163,7 +168,7 @@ def _compiled(keras, name, config, tiny, jit_compile):
         amp_dtype="float16" if level == "O0" else dtype,
     )
     if config.endswith("+head"):
-        if name != "gemma":
+        if not name.startswith("gemma"):
             raise ValueError(f"{config!r} is the Gemma's head in half; {name} has none")
         # The tied embedding's own knob: its logits matmul (and the two of
         # its gradient) in `dtype`; the loss reads the logits in float32.
@@ -184,46 +189,84 @@ def _gpu_name():
 
 
 def _bounds(keras, keras_mp, name, tiny, batch, gpu):
-    """speed_report's bounds per keras_mp level: {config: (bound, strict)}
-    (its rules are keras_mp's: Keras's own policies get none)."""
+    """speed_report's bounds per keras_mp level, {config: (bound, strict)}
+    (its rules are keras_mp's: Keras's own policies get none), and the
+    step's matmul FLOPs (forward and backward), the same at every level."""
     model, _, data = _build(keras, name, tiny)
     x, _ = data(batch)
-    bounds = {}
+    bounds, flops = {}, None
     for config in CONFIGS:
         if not config.startswith(("O1", "O2", "O3")) or config.endswith(("+head", "+moments")):
             continue
         level, dtype = config.split()
         summary = keras_mp.speed_report(model, x, level=level, dtype=dtype, gpu=gpu).summary
         bounds[config] = (summary["speedup_bound_tf32"], summary["speedup_bound_float32"])
-    return bounds
+        flops = summary["flops_per_step"]
+    return bounds, flops
 
 
-def run_speed(name, configs, rounds, batch, tiny, jit_compile):
+def _peak_rate(gpu, config):
+    """The GPU's matmul peak (FLOP/s) for the dtype a configuration's
+    matmuls run in: TF32 for O0 as the backend sets it (TensorFlow and JAX;
+    PyTorch computes float32), float32 without, FP8 for the float8 level."""
+    from keras_mp._src.tools.gpu_peaks import peaks_of
+
+    peaks = peaks_of(gpu)
+    if config == "O0 float32":
+        return peaks.float32
+    if config == "O0":
+        import keras
+
+        return peaks.matmul_rate("float32", tf32=keras.backend.backend() != "torch")
+    dtype = "float8" if "float8" in config else "bfloat16" if "bfloat16" in config else "float16"
+    return peaks.matmul_rate(dtype)
+
+
+@contextlib.contextmanager
+def _gpu_turn(lock_path):
+    """Holds the file lock `lock_path` (if any) while this process times:
+    processes that share one GPU compile side by side and take turns on the
+    clock."""
+    if not lock_path:
+        yield
+        return
+    import fcntl
+
+    with open(lock_path, "a") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(lock, fcntl.LOCK_UN)
+
+
+def run_speed(name, configs, rounds, batch, tiny, jit_compile, lock=None, profile=(), until=None):
+    """Each configuration compiled (one step, outside `lock`), then, holding
+    `lock`: a warm epoch (its peak memory), `rounds` timed epochs alternating
+    the configurations, and a kernel profile of the `profile` ones.
+    Configurations not yet compiled at time `until` (seconds since the
+    epoch) are skipped, so that the ones compiled are still timed."""
     import keras
 
     import keras_mp
 
     gpu = _gpu_name()
-    bounds = _bounds(keras, keras_mp, name, tiny, batch, gpu)
+    bounds, flops = _bounds(keras, keras_mp, name, tiny, batch, gpu)
     models, failed, data = {}, {}, None
     steps = 3 if tiny else 12
     dump = _xla_dump_dir()
     seen, censuses, peaks = set(), {}, {}
     for config in configs:
+        if until and time.time() > until:
+            failed[config] = "skipped: the lease's time"
+            continue
         try:
             model, make = _compiled(keras, name, config, tiny, jit_compile)
             data = data or make(batch, steps)  # the same batches for every configuration
-            before = _reset_peak(keras)
+            first = keras.tree.map_structure(lambda a: a[:batch], data)
             with _matmul_precision(keras, config == "O0 float32"):
-                keras.Model.fit(model, *data, batch_size=batch, epochs=1, verbose=0)
+                keras.Model.fit(model, *first, batch_size=batch, epochs=1, verbose=0)
             models[config] = model
-            peak = _peak_bytes(keras)
-            if before is not None and peak is not None:
-                peaks[config] = (
-                    peak - before,
-                    _nbytes(model.weights),
-                    _nbytes(model.optimizer.variables),
-                )
         except Exception as e:  # e.g. out of memory: said in the table
             failed[config] = f"{type(e).__name__}: {str(e).splitlines()[0][:80]}"
         if dump:
@@ -231,13 +274,29 @@ def run_speed(name, configs, rounds, batch, tiny, jit_compile):
     timer = _steady_state_timer(keras)(skip=2 if steps > 4 else 1)
     ran = tuple(c for c in configs if c in models)
     times = {c: [] for c in ran}
-    for r in range(rounds):
-        for config in ran if r % 2 == 0 else ran[::-1]:
+    profiles = {}
+    with _gpu_turn(lock):
+        for config in ran:
+            before = _reset_peak(keras)
             with _matmul_precision(keras, config == "O0 float32"):
-                keras.Model.fit(
-                    models[config], *data, batch_size=batch, epochs=1, verbose=0, callbacks=[timer]
+                keras.Model.fit(models[config], *data, batch_size=batch, epochs=1, verbose=0)
+            peak = _peak_bytes(keras)
+            if before is not None and peak is not None:
+                peaks[config] = (
+                    peak - before,
+                    _nbytes(models[config].weights),
+                    _nbytes(models[config].optimizer.variables),
                 )
-            times[config].append(timer.per_step)
+        for r in range(rounds):
+            for config in ran if r % 2 == 0 else ran[::-1]:
+                with _matmul_precision(keras, config == "O0 float32"):
+                    keras.Model.fit(
+                        models[config], *data, batch_size=batch, epochs=1, verbose=0,
+                        callbacks=[timer],
+                    )  # fmt: skip
+                times[config].append(timer.per_step)
+        for config in (c for c in profile if c in models):
+            profiles[config] = _kernels_of_an_epoch(keras, models[config], data, batch, config)
     median = {c: statistics.median(t) for c, t in times.items()}
     backend = keras.backend.backend()
     for config in configs:
@@ -250,12 +309,17 @@ def run_speed(name, configs, rounds, batch, tiny, jit_compile):
 
         bound, strict = bounds.get(config, (None, None))
         predicted = "" if bound is None else f"{bound:.2f} / {strict:.2f}"
+        mfu = flops / median[config] / _peak_rate(gpu, config)
         print(
             f"| {backend} | {name} | {config} | {median[config] * 1e3:.1f} "
-            f"| {over('O0')} | {over('O0 float32')} | {predicted} |",
+            f"| {over('O0')} | {over('O0 float32')} | {predicted} | {100 * mfu:.1f}% |",
             flush=True,
         )
-    print(f"# {backend} {name}: batch {batch}, {rounds} rounds, bounds for an {gpu}", flush=True)
+    print(
+        f"# {backend} {name}: batch {batch}, {rounds} rounds, {flops / 1e9:.0f} GFLOP of "
+        f"matmuls a step, bounds and peaks of an {gpu}",
+        flush=True,
+    )
     for config, (peak, weights, slots) in peaks.items():
         print(
             f"| memory | {backend} | {name} | {config} | {_mb(peak)} | {_mb(weights)} "
@@ -267,13 +331,95 @@ def run_speed(name, configs, rounds, batch, tiny, jit_compile):
             print(f"# census {backend} {name} {config}: no optimized module dumped", flush=True)
             continue
         lowered, optimized = counts
-        flops = ", ".join(f"{k} {v / 1e9:.1f}" for k, v in sorted(optimized["flops"].items()))
+        flops_by_dtype = ", ".join(
+            f"{k} {v / 1e9:.1f}" for k, v in sorted(optimized["flops"].items())
+        )
         print(
             f"| census | {backend} | {name} | {config} | {100 * lowered['half_share']:.1f}% "
-            f"| {100 * optimized['half_share']:.1f}% | {flops} "
+            f"| {100 * optimized['half_share']:.1f}% | {flops_by_dtype} "
             f"| {optimized['converts']} ({optimized['convert MiB']:.1f} MiB) |",
             flush=True,
         )
+    _print_profiles(name, profiles, steps)
+
+
+def _kernels_of_an_epoch(keras, model, data, batch, config):
+    """The GPU kernels of one traced epoch: (name, start_ns, duration_ns)."""
+    import glob
+    import tempfile
+
+    from step_profile import _trace
+    from step_profile import device_kernels
+
+    if keras.backend.backend() == "torch":
+        return _torch_kernels(keras, model, data, batch, config)
+    with tempfile.TemporaryDirectory() as logdir:
+        with _matmul_precision(keras, config == "O0 float32"):
+            stop = _trace(keras, logdir)
+            keras.Model.fit(model, *data, batch_size=batch, epochs=1, verbose=0)
+            stop()
+        paths = glob.glob(f"{logdir}/**/*.xplane.pb", recursive=True)
+        return device_kernels(paths[0]) if paths else []
+
+
+def _torch_kernels(keras, model, data, batch, config):
+    import torch
+
+    with _matmul_precision(keras, config == "O0 float32"):
+        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+            keras.Model.fit(model, *data, batch_size=batch, epochs=1, verbose=0)
+    return [
+        (e.name, 0, int(e.device_time_total * 1e3))  # microseconds -> ns
+        for e in prof.key_averages()
+        if e.device_time_total > 0
+    ]
+
+
+def _print_profiles(name, profiles, steps):
+    """Per configuration: milliseconds a step by kind of kernel, and the
+    kernels that differ most between the profiled configurations (names
+    with their numbers taken out, so that XLA's fusions line up)."""
+    import re
+
+    from step_profile import KINDS
+    from step_profile import kind_of
+
+    if not profiles:
+        return
+    grouped = {}
+    for config, kernels in profiles.items():
+        if not kernels:
+            print(f"# profile {name} {config}: the trace holds no GPU kernels", flush=True)
+            continue
+        by_name = {}
+        for kernel, _, ns in kernels:
+            key = re.sub(r"\d+", "#", kernel)[:90]
+            ms, count = by_name.get(key, (0.0, 0))
+            by_name[key] = (ms + ns / 1e6 / steps, count + 1)
+        grouped[config] = by_name
+        kinds = dict.fromkeys(KINDS, 0.0)
+        for key, (ms, _) in by_name.items():
+            kinds[kind_of(key)] += ms
+        cells = " | ".join(f"{kinds[k]:.2f}" for k in KINDS)
+        print(
+            f"| profile | {name} | {config} | {sum(kinds.values()):.2f} | {cells} "
+            f"| {sum(c for _, c in by_name.values()) / steps:.0f} |",
+            flush=True,
+        )
+    configs = list(grouped)
+    keys = {k for g in grouped.values() for k in g}
+
+    def spread(key):
+        values = [grouped[c].get(key, (0.0, 0))[0] for c in configs]
+        return max(values) - min(values)
+
+    print(f"# kernels of {name} that differ most (ms a step, kernels a step): {configs}")
+    for key in sorted(keys, key=spread, reverse=True)[:25]:
+        cells = " | ".join(
+            f"{grouped[c].get(key, (0.0, 0))[0]:.3f} ({grouped[c].get(key, (0, 0))[1] / steps:.0f})"
+            for c in configs
+        )
+        print(f"| kernel | {name} | {key} | {cells} |", flush=True)
 
 
 def _xla_dump_dir():
@@ -307,8 +453,9 @@ def _census_of_new_module(dump, seen):
 
 SPEED_HEADER = (
     "| backend | model | configuration | step (ms) | speed-up over O0 (TF32 as set) "
-    "| over O0 float32 (TF32 off) | speed report's bound: TF32 / off |\n"
-    "|---|---|---|---|---|---|---|"
+    "| over O0 float32 (TF32 off) | speed report's bound: TF32 / off "
+    "| model FLOP utilisation (of the dtype's peak) |\n"
+    "|---|---|---|---|---|---|---|---|"
 )
 
 
@@ -464,7 +611,7 @@ def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--all", action="store_true", help="every backend, one process each")
     parser.add_argument("--backends", nargs="+", default=list(BACKENDS), choices=BACKENDS)
-    parser.add_argument("--models", nargs="+", default=list(MODELS), choices=MODELS)
+    parser.add_argument("--models", nargs="+", default=["resnet50", "gemma"], choices=MODELS)
     parser.add_argument("--configs", nargs="+", default=list(CONFIGS), choices=CONFIGS)
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--batch", type=int, default=None, help="default: 128 / 16 (tiny: 4)")
@@ -474,6 +621,19 @@ def main():
     parser.add_argument("--max-batch", action="store_true", help="largest batch per level")
     parser.add_argument("--start-batch", type=int, default=8, help="--max-batch's first try")
     parser.add_argument("--limit-batch", type=int, default=512, help="--max-batch's last try")
+    parser.add_argument(
+        "--lock", help="a file to lock while timing: processes sharing a GPU take turns"
+    )
+    parser.add_argument(
+        "--profile", nargs="+", default=[], choices=CONFIGS, metavar="CONFIG",
+        help="configurations whose kernels are profiled after the timing (one traced epoch)",
+    )  # fmt: skip
+    parser.add_argument(
+        "--compile-for",
+        type=float,
+        default=None,
+        help="seconds from the start after which no more configurations are compiled",
+    )
     parser.add_argument("--memory-one", choices=MODELS, help=argparse.SUPPRESS)
     parser.add_argument("--no-prediction", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args()
@@ -505,9 +665,26 @@ def main():
                 print(f"# {backend}: exit {code}", flush=True)
         return
     configs = tuple(c for c in CONFIGS if c in args.configs)
+    until = None if args.compile_for is None else time.time() + args.compile_for
     for name in args.models:
         batch = args.batch or (4 if args.tiny else BATCH[name])
-        run_speed(name, configs, args.rounds, batch, args.tiny, jit)
+        run_speed(name, configs, args.rounds, batch, args.tiny, jit, args.lock, args.profile, until)
+        _free_device_memory()
+
+
+def _free_device_memory():
+    """Lets the next model have the memory of the last (one process, several)."""
+    import gc
+
+    import keras
+
+    keras.backend.clear_session()
+    gc.collect()
+    if keras.backend.backend() == "torch":
+        import torch
+
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
 
 
 if __name__ == "__main__":
