@@ -108,8 +108,11 @@ tests() {
     for b in $BACKENDS; do
         echo "=== tests on $b ($(date +%T))"
         # -v: a run cut short by its time limit still names its failures.
-        KERAS_BACKEND=$b timeout "${TESTS_LIMIT:-900}" python3 -m pytest "${workers[@]}" -v --tb=short -rfE \
-            -p no:cacheprovider -p no:benchmark ${TESTS_PATHS:-tests} > "$OUT/tests_$b.log" 2>&1
+        # _report_failures: each failure's traceback as it happens.
+        KERAS_BACKEND=$b FAILURES_LOG="$OUT/failures_$b.log" PYTHONPATH="$PWD/benchmarks:$PYTHONPATH" \
+            timeout "${TESTS_LIMIT:-900}" python3 -m pytest "${workers[@]}" -v --tb=short -rfE \
+            -p no:cacheprovider -p no:benchmark -p _report_failures ${TESTS_PATHS:-tests} \
+            > "$OUT/tests_$b.log" 2>&1
         echo "rc=$?" >> "$OUT/tests_$b.log"
         grep -E "FAILED|ERROR|^rc=| passed| failed" "$OUT/tests_$b.log" | tail -60
         # The failures again, with the GPU's sources of run-to-run differences

@@ -13,7 +13,8 @@
 # The measuring processes share the GPU: they compile side by side and take
 # turns on the clock (real_models.py --lock: the warm epoch, the timed rounds
 # and the kernel profiles hold one file lock), so that no two time at once.
-# On a GPU of less than 100 GiB the 1B Gemma waits for the other jobs to end.
+# At most three processes share the GPU; on a GPU of less than 100 GiB the
+# 1B Gemma waits for the other jobs to end.
 set -u
 cd "$(dirname "$0")/.."
 LEASE=${LEASE:-/tmp/lease}
@@ -68,16 +69,15 @@ after() { # waits for the jobs named to end
         while [ ! -e "$LEASE/$job.done" ]; do sleep 2; done
     done
 }
+# Three streams share the GPU at most (2026-11-27: five processes on an
+# 80 GB H100 ran out of memory, and TensorFlow's allocator aborted).
 (
     real jax_gemma jax XLA_FLAGS="$(dump jax_gemma "$JAX_MODULES")" \
         python3 real_models.py --models gemma --configs "${GEMMA[@]}"
-    touch "$LEASE/jax_gemma.done"
-) &
-(
     real jax_resnet jax XLA_FLAGS="$(dump jax_resnet "$JAX_MODULES")" \
         python3 real_models.py --models resnet50 --configs "${RESNET[@]}" \
         --profile "O2 float16" "keras mixed_float16"
-    touch "$LEASE/jax_resnet.done"
+    touch "$LEASE/jax.done"
 ) &
 (
     real torch torch python3 real_models.py --models gemma resnet50 --configs "${RESNET[@]}"
@@ -100,10 +100,10 @@ zstandard.ZstdDecompressor().copy_stream(sys.stdin.buffer, sys.stdout.buffer)" |
         . /tmp/tfgpu/env.sh
         export TF_CPP_MIN_LOG_LEVEL=2 PYTHONPATH="$PWD:/tmp/keras-mp-site:$PYTHONPATH"
         real tf_gemma tensorflow XLA_FLAGS="${XLA_FLAGS:-} $(dump tf_gemma)" python3 \
-            real_models.py --models gemma --configs "${TF_GEMMA[@]}" &
+            real_models.py --models gemma --configs "${TF_GEMMA[@]}"
+        after torch
         real tf_resnet tensorflow XLA_FLAGS="${XLA_FLAGS:-} $(dump tf_resnet)" python3 \
-            real_models.py --models resnet50 --configs "${TF_RESNET[@]}" &
-        wait
+            real_models.py --models resnet50 --configs "${TF_RESNET[@]}"
     fi
     touch "$LEASE/tf.done"
 ) &
@@ -111,7 +111,7 @@ zstandard.ZstdDecompressor().copy_stream(sys.stdin.buffer, sys.stdout.buffer)" |
     # FP8 where it pays: a 1B Gemma, O2 float8 (and its FP8 moments) against
     # O2 bfloat16. Its three configurations hold ~35 GiB between steps: on a
     # GPU of less than 100 GiB it waits for the other jobs to end.
-    if [ "${MEM_MIB:-0}" -lt 100000 ]; then after jax_gemma jax_resnet torch tf; else after jax_gemma; fi
+    if [ "${MEM_MIB:-0}" -lt 100000 ]; then after jax torch tf; else after jax; fi
     COMPILE_FOR=$(($(date +%s) - START + ${COMPILE_1B:-200}))
     real jax_gemma1b jax XLA_FLAGS="$(dump jax_gemma1b "$JAX_MODULES")" \
         python3 real_models.py --models gemma1b --configs "O2 bfloat16" "O2 float8" \
@@ -124,8 +124,11 @@ note "benchmarks done"
 # seconds each (-v: a run cut short still names its failures).
 tests() {
     local b=$1
-    KERAS_BACKEND=$b timeout "$TESTS_FOR" python3 -m pytest -n "${JOBS:-5}" -v --tb=short -rfE \
-        -p no:cacheprovider -p no:benchmark tests > "$LEASE/tests_$b.log" 2>&1
+    # _report_failures: each failure's traceback as it happens (a suite cut
+    # short by its time limit prints no summary).
+    KERAS_BACKEND=$b FAILURES_LOG="$LEASE/failures_$b.log" PYTHONPATH="$PWD/benchmarks:$PYTHONPATH" \
+        timeout "$TESTS_FOR" python3 -m pytest -n "${JOBS:-5}" -v --tb=short -rfE \
+        -p no:cacheprovider -p no:benchmark -p _report_failures tests > "$LEASE/tests_$b.log" 2>&1
     note "tests_$b rc=$?"
 }
 if [ "${TESTS_FOR}" -gt 0 ]; then
