@@ -8,6 +8,7 @@ called with exactly the arguments it was given. The arguments become one
 optimizer.
 """
 
+import dataclasses
 import functools
 import inspect
 
@@ -106,6 +107,8 @@ def _compile_with_amp(
     bound.apply_defaults()
     arguments = dict(bound.arguments)
     arguments.pop("self")
+    # The loss tells the head rule what the outputs hold (`output_losses.py`).
+    amp = dataclasses.replace(amp, loss=arguments.get("loss"))
     policies.apply(self, amp)
     saved_precision.restore_saved(self)
     optimizer = wrap_optimizer(

@@ -18,6 +18,7 @@ from keras_mp._src import keras_internals
 from keras_mp._src.precision import boundaries
 from keras_mp._src.precision import layer_tree
 from keras_mp._src.precision import policies
+from keras_mp._src.precision import probabilities
 from keras_mp._src.precision import rules
 from keras_mp._src.precision.layer_kinds import matches
 
@@ -93,6 +94,7 @@ def restore_precision(model, record):
         rule = entry.get("rule", policies.rule_of(layer))
         decisions.append((layer, (policy, rule)))
     policies.set_policies(model, decisions)
+    probabilities.set_probabilities(layers)
     for layer, entry in zip(layers, record):
         boundaries.set_boundary_casts(layer, *(entry.get("casts") or (None, None)))
     policies.mark_amp_model(model)

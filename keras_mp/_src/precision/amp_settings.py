@@ -49,6 +49,8 @@ class AmpSettings:
         float8: a `Float8Recipe` where the level computes its chosen
             matmuls in FP8 (`amp_dtype="float8"`; `half` is then bfloat16),
             else None.
+        loss: the loss `compile` was given (None: not known, as under
+            `apply_amp`); the head rule reads it (`output_losses.py`).
     """
 
     level: Level
@@ -60,6 +62,7 @@ class AmpSettings:
     master_weights: object = None
     shard_optimizer_state: bool = False
     float8: object = None
+    loss: object = None
 
     @property
     def name(self):

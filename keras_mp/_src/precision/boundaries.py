@@ -1,8 +1,8 @@
 """The boundary rule: the dtypes a layer takes and returns across its `call`.
 
 A model's outputs leave in float32: its output layers compute as the level
-says and cast what they return (a probability activation of theirs runs
-after the cast, in float32); a subclassed model's inputs arrive in float32
+says and cast what they return (a probability activation runs in float32
+wherever it sits: `probabilities.py`); a subclassed model's inputs arrive in float32
 and are cast to the level's dtype inside its `call`; inside a layer that
 runs its own `call`, a sublayer whose compute dtype differs from its
 caller's returns its outputs in the caller's dtype. Each is a cast wrapped
@@ -17,13 +17,11 @@ import keras
 
 from keras_mp._src import keras_internals
 from keras_mp._src.precision import layer_tree
-from keras_mp._src.precision.layer_kinds import probability_activation
+from keras_mp._src.precision.probabilities import computes_in_float32
 
 _CASTS_ATTRIBUTE = "_keras_mp_boundary_casts"
 _ENTRY_DTYPE_ATTRIBUTE = "_keras_mp_entry_dtype"
 _OUTPUT_DTYPE_ATTRIBUTE = "_keras_mp_output_dtype"
-# On an output layer computing in half: its probability activation runs in float32.
-_FLOAT32_ACTIVATION_ATTRIBUTE = "_keras_mp_float32_activation"
 # On a model held by a subclassed model: the dtype it returns when called
 # from outside that model's `call` (its `train_step`, `compute_loss`).
 _OUTSIDE_DTYPE_ATTRIBUTE = "_keras_mp_outside_dtype"
@@ -32,18 +30,14 @@ _MODEL_CALLS = threading.local()
 
 
 def casts_of(layer):
-    """`(entry_dtype, output_dtype, float32_activation)` of a layer's
-    boundary casts (`set_boundary_casts`' arguments), or None."""
+    """`(entry_dtype, output_dtype)` of a layer's boundary casts
+    (`set_boundary_casts`' arguments), or None."""
     if not getattr(layer, _CASTS_ATTRIBUTE, False):
         return None
-    return (
-        getattr(layer, _ENTRY_DTYPE_ATTRIBUTE),
-        getattr(layer, _OUTPUT_DTYPE_ATTRIBUTE),
-        getattr(layer, _FLOAT32_ACTIVATION_ATTRIBUTE, False),
-    )
+    return (getattr(layer, _ENTRY_DTYPE_ATTRIBUTE), getattr(layer, _OUTPUT_DTYPE_ATTRIBUTE))
 
 
-def set_boundary_casts(layer, entry_dtype=None, output_dtype=None, float32_activation=False):
+def set_boundary_casts(layer, entry_dtype=None, output_dtype=None, *_):
     """Makes `layer` take `entry_dtype` inside its `call` and return `output_dtype`.
 
     - `entry_dtype`: its float32 inputs are cast to it inside `call`. A
@@ -61,18 +55,16 @@ def set_boundary_casts(layer, entry_dtype=None, output_dtype=None, float32_activ
       (`apply_amp`'s boundary rule), so that the caller's own arithmetic
       on its sublayers' outputs sees one dtype.
 
-    - `float32_activation`: the layer's own activation (softmax, sigmoid)
-      runs on its outputs cast to float32, its matmul in its compute dtype.
-
-    `None` turns a cast off. Idempotent: the wrapper is installed once and
-    reads the latest dtypes at each call.
+    `None` turns a cast off (a third value, saved by earlier releases, is
+    ignored: `probabilities.py` computes probabilities in float32).
+    Idempotent: the wrapper is installed once and reads the latest dtypes at
+    each call.
     """
     installed = getattr(layer, _CASTS_ATTRIBUTE, False)
     if not installed and entry_dtype is None and output_dtype is None:
         return
     object.__setattr__(layer, _ENTRY_DTYPE_ATTRIBUTE, entry_dtype)
     object.__setattr__(layer, _OUTPUT_DTYPE_ATTRIBUTE, output_dtype)
-    object.__setattr__(layer, _FLOAT32_ACTIVATION_ATTRIBUTE, float32_activation)
     if installed:
         return
     # A quantized layer (int8, float8) runs `quantized_call`, not `call`:
@@ -81,23 +73,6 @@ def set_boundary_casts(layer, entry_dtype=None, output_dtype=None, float32_activ
         if hasattr(layer, method):
             object.__setattr__(layer, method, _with_boundary_casts(layer, getattr(layer, method)))
     object.__setattr__(layer, _CASTS_ATTRIBUTE, True)
-
-
-def _call_with_float32_activation(layer, call, args, kwargs):
-    """`call` with the layer's activation applied to its outputs cast to
-    float32: the matmul in half, the probabilities in float32 (the cast fuses
-    into the activation). The attribute is swapped for the call only, so the
-    layer's config, and what it saves, keep its own activation."""
-    activation = layer.activation
-
-    def in_float32(x):
-        return activation(keras.ops.cast(x, "float32"))
-
-    object.__setattr__(layer, "activation", in_float32)
-    try:
-        return call(*args, **kwargs)
-    finally:
-        object.__setattr__(layer, "activation", activation)
 
 
 def _inside_a_model_call():
@@ -126,8 +101,6 @@ def _with_boundary_casts(layer, call):
             # are floats (a lookup of token ids reads the table as it is).
             with keras_internals.AutocastScope(entry):
                 outputs = call(*args, **kwargs)
-        elif getattr(layer, _FLOAT32_ACTIVATION_ATTRIBUTE, False):
-            outputs = _call_with_float32_activation(layer, call, args, kwargs)
         else:
             outputs = call(*args, **kwargs)
         target = getattr(layer, _OUTPUT_DTYPE_ATTRIBUTE)
@@ -204,8 +177,7 @@ def set_boundaries(model, outputs=None, entry_dtype=None):
     - Inside Sequential and functional models nothing is cast on the way
       out: Keras casts each layer's inputs to its own compute dtype.
 
-    - An output layer of the model computing in half returns float32, a
-      probability activation of its own computed in float32.
+    - An output layer of the model computing in half returns float32.
 
     Returns:
         `(layer, dtype, caller)` for each layer that now returns a dtype
@@ -243,7 +215,12 @@ def set_boundaries(model, outputs=None, entry_dtype=None):
         # the half dtype.
         held = parent is model and layer_tree.is_subclassed(model)
         object.__setattr__(layer, _OUTSIDE_DTYPE_ATTRIBUTE, "float32" if held else None)
-        if caller_dtype is not None and (
+        if caller_dtype is not None and computes_in_float32(layer):
+            # Its probabilities reach its caller in float32 (a cast to half
+            # would round the small ones to 0), as torch.autocast's softmax.
+            set_boundary_casts(layer, output_dtype="float32")
+            returns.append((layer, "float32", parent))
+        elif caller_dtype is not None and (
             layer.compute_dtype != caller_dtype or layer_tree.is_container(layer) or held
         ):
             set_boundary_casts(layer, output_dtype=caller_dtype)
@@ -262,10 +239,6 @@ def _set_output_casts(layer):
     if compute == "float32" or compute not in _COMPUTE_FLOATS:
         set_boundary_casts(layer)
         return False
-    set_boundary_casts(
-        layer,
-        entry_dtype=None if layer.autocast else compute,
-        output_dtype="float32",
-        float32_activation=probability_activation(layer) is not None,
-    )
+    entry = None if layer.autocast else compute
+    set_boundary_casts(layer, entry_dtype=entry, output_dtype="float32")
     return True

@@ -9,6 +9,7 @@ KerasHub's and users' layers follow (`...Norm`, `...Attention`,
 
 import importlib
 import sys
+import warnings
 
 import keras
 
@@ -87,6 +88,23 @@ EXACT_PREPROCESSING = _keras_layers(
 # float16 levels; their projections (EinsumDense sublayers) stay half.
 FUSED_ATTENTION = _keras_layers("MultiHeadAttention", "GroupedQueryAttention")
 
+_WARNED = {"jax_cpu_attention": False}
+
+
+def warn_jax_cpu_attention_once(layer):
+    if _WARNED["jax_cpu_attention"]:
+        return
+    _WARNED["jax_cpu_attention"] = True
+    warnings.warn(
+        "keras_mp: JAX's CPU backend has no float16 x float16 -> float32 "
+        "matmul, which Keras's dot_product_attention needs; attention layers "
+        "(MultiHeadAttention, GroupedQueryAttention, KerasHub's) compute in "
+        "float32 here, their projections in float16. On a GPU they compute "
+        "in float16.",
+        stacklevel=5,
+    )
+
+
 # Packages whose composite layers are written for Keras's mixed policies (they
 # run under them in production): at O2 they compute in half. A layer defined
 # anywhere else that contains other layers computes its own arithmetic in
@@ -99,8 +117,41 @@ MIXED_PRECISION_AWARE_PACKAGES = ("keras", "keras_hub", "keras_nlp", "keras_cv",
 
 # Activations whose outputs are probabilities or their logarithms: in half,
 # softmax's small probabilities and sigmoid's near 0 and 1 round to 0 and 1
-# before the loss takes their log. At a model's output they run in float32.
+# before the loss takes their log. They run in float32 wherever they sit
+# (`probabilities.py`), as under torch.autocast.
 PROBABILITY_ACTIVATIONS = ("softmax", "log_softmax", "sigmoid")
+# Activations whose outputs are bounded whatever their inputs: an output
+# layer ending in one cannot overflow float16.
+BOUNDED_ACTIVATIONS = (
+    "softmax",
+    "sigmoid",
+    "tanh",
+    "hard_sigmoid",
+    "softsign",
+    "hard_tanh",
+    "sparse_sigmoid",
+    "sparsemax",
+)
+
+# Layers that only move values (no arithmetic): they pass on the dtype they
+# receive, so that a float32 probability on its way to an output stays
+# float32 and a half activation stays half (`probabilities.py`).
+DATA_MOVEMENT = _keras_layers(
+    "Reshape",
+    "Flatten",
+    "Permute",
+    "RepeatVector",
+    "Cropping1D",
+    "Cropping2D",
+    "Cropping3D",
+    "Identity",
+)
+
+
+def bounded_activation(layer):
+    """The name of a bounded activation `layer` applies itself, or None."""
+    name = getattr(getattr(layer, "activation", None), "__name__", None)
+    return name if name in BOUNDED_ACTIVATIONS else None
 
 
 def probability_activation(layer):

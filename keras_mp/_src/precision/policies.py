@@ -17,6 +17,8 @@ from keras_mp._src.precision import fallback
 from keras_mp._src.precision import float8
 from keras_mp._src.precision import layer_kinds
 from keras_mp._src.precision import layer_tree
+from keras_mp._src.precision import output_losses
+from keras_mp._src.precision import probabilities
 from keras_mp._src.precision import rules
 from keras_mp._src.precision.layer_kinds import ALLOW_LIST
 from keras_mp._src.precision.layer_kinds import EXACT_PREPROCESSING
@@ -86,15 +88,19 @@ def apply_amp(
 
     The model's output layers compute as the level says and return float32,
     so outputs and the loss are float32: a head's matmul (a language model's
-    largest) runs in half, a softmax or sigmoid of its own in float32, and an
-    output layer that is nothing but one (`Softmax`, `Activation("sigmoid")`)
-    in float32. Inside a layer that calls other layers, a
-    sublayer whose compute dtype differs from its caller's returns its
-    outputs in the caller's dtype, so the caller's own arithmetic sees one
-    dtype. `keras.layers.Normalization` and the categorical preprocessing
-    layers (`Hashing`, `StringLookup`, `CategoryEncoding`, ...) stay float32
-    at every level; quantized policies, and policies that compute in a
-    dtype other than a float (int64 hash bins, strings), are kept.
+    largest) runs in half, unless float16 could overflow its outputs (a
+    regression loss, or a loss keras_mp does not know, on an output without
+    a bounded activation: float32 there; `output_losses.py`). Softmax,
+    log_softmax and sigmoid run in float32 wherever they sit (a layer's
+    activation, a `Softmax` or `Activation` layer), and layers that only
+    move values (`Reshape`, `Flatten`) pass on the dtype they receive.
+    Inside a layer that calls other layers, a sublayer whose compute dtype
+    differs from its caller's returns its outputs in the caller's dtype, so
+    the caller's own arithmetic sees one dtype. `keras.layers.Normalization`
+    and the categorical preprocessing layers (`Hashing`, `StringLookup`,
+    `CategoryEncoding`, ...) stay float32 at every level; quantized
+    policies, and policies that compute in a dtype other than a float (int64
+    hash bins, strings), are kept.
 
     Args:
         model: a Keras model (Sequential, functional or subclassed) or layer,
@@ -145,7 +151,9 @@ def apply(model, amp):
         entry_dtype = "float32"  # a subclassed model's own `call`, as its layers'
     decisions = decide_all(model, amp, outputs)
     set_policies(model, decisions)
-    _annotate_returns(boundaries.set_boundaries(model, outputs, entry_dtype))
+    layers = [layer for layer, _ in decisions]
+    probabilities.set_probabilities(layers)
+    _annotate_returns(boundaries.set_boundaries(model, outputs, entry_dtype), layers)
     mark_amp_model(model)
     set_layer_lists(model, amp.allow, amp.deny)
     return model
@@ -161,6 +169,9 @@ def decide_all(model, amp, outputs=None):
     inside_allowed = set()  # ids of layers inside an allow-listed one (O1)
     inside_denied = set()  # ids of layers inside a nested model named in `deny=`
     first = float8.first_layers(model) if amp.float8 is not None else set()
+    # The loss `compile` was given, or the one a compiled model has.
+    loss = amp.loss if amp.loss is not None else getattr(model, "loss", None)
+    losses = output_losses.of_outputs(model, outputs, loss)
     allow = ALLOW_LIST + amp.allow
     for layer, parent in layer_tree.tree(model):
         if parent is not None and (
@@ -181,23 +192,29 @@ def decide_all(model, amp, outputs=None):
             inside_allowed=id(layer) in inside_allowed,
             inside_denied=id(layer) in inside_denied,
             first=id(layer) in first,
+            loss=losses.get(id(layer)),
         )
         decisions.append((layer, rules.decide(layer, place)))
     return decisions
 
 
-def _annotate_returns(returns):
+def _annotate_returns(returns, layers):
+    """Adds to each layer's rule what it returns to its caller, and the
+    probability activation it computes in float32."""
     for layer, dtype, caller in returns:
         rule = getattr(layer, _RULE_ATTRIBUTE, None)
         if rule is None:
             continue
         if caller is None:  # a model output
-            activation = layer_kinds.probability_activation(layer)
-            note = f"{activation} in float32, " if activation else ""
-            rule = f"{rule}; model output: {note}returns {dtype}"
+            rule = f"{rule}; model output: returns {dtype}"
         else:
             rule = f"{rule}; returns {dtype} to {caller.name}"
         object.__setattr__(layer, _RULE_ATTRIBUTE, rule)
+    for layer in layers:
+        rule = getattr(layer, _RULE_ATTRIBUTE, None)
+        if rule is not None and probabilities.computes_in_float32(layer):
+            activation = layer_kinds.probability_activation(layer)
+            object.__setattr__(layer, _RULE_ATTRIBUTE, f"{rule}; {activation} in float32")
 
 
 def layer_lists(model):
@@ -247,6 +264,7 @@ def to_float(layer_or_model, dtype):
         else:
             decisions.append((layer, (policy, rule)))
     set_policies(layer_or_model, decisions)
+    probabilities.set_probabilities(layer for layer, _ in decisions)
     # One dtype inside: no sublayer casts its outputs any more. What the
     # layer itself returns to its caller is left as it was.
     boundaries.set_boundaries(layer_or_model)

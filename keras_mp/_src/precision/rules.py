@@ -18,13 +18,13 @@ stays). `{level}` in a reason is the level's name; `{policy}` and
 """
 
 import dataclasses
-import warnings
 
 import keras
 
 from keras_mp._src import backends
 from keras_mp._src.precision import float8
 from keras_mp._src.precision import layer_tree
+from keras_mp._src.precision import output_losses
 from keras_mp._src.precision.layer_kinds import ALLOW_LIST
 from keras_mp._src.precision.layer_kinds import DENY_LIST
 from keras_mp._src.precision.layer_kinds import EPS_1E12
@@ -42,6 +42,7 @@ from keras_mp._src.precision.layer_kinds import quantized
 from keras_mp._src.precision.layer_kinds import routes_experts
 from keras_mp._src.precision.layer_kinds import runs_unknown_arithmetic
 from keras_mp._src.precision.layer_kinds import runs_users_code
+from keras_mp._src.precision.layer_kinds import warn_jax_cpu_attention_once
 from keras_mp._src.precision.levels import Compute
 
 # -- the policies a row gives ---------------------------------------------------
@@ -70,6 +71,8 @@ class Place:
         inside_allowed: whether it sits inside an allow-listed layer (O1).
         inside_denied: whether it sits inside a nested model named in `deny=`.
         first: whether it takes the model's raw inputs (`float8.first_layers`).
+        loss: an output's `(loss name, whether a cross-entropy)`, or None
+            (`output_losses.of_outputs`).
     """
 
     amp: object
@@ -79,6 +82,7 @@ class Place:
     inside_allowed: bool = False
     inside_denied: bool = False
     first: bool = False
+    loss: tuple = None
 
 
 # -- conditions: (layer, place) -> bool -----------------------------------------
@@ -204,24 +208,6 @@ class Rule:
     note: object = None
 
 
-_warned_jax_cpu_attention = False
-
-
-def _warn_jax_cpu_attention_once(layer):
-    global _warned_jax_cpu_attention
-    if _warned_jax_cpu_attention:
-        return
-    _warned_jax_cpu_attention = True
-    warnings.warn(
-        "keras_mp: JAX's CPU backend has no float16 x float16 -> float32 "
-        "matmul, which Keras's dot_product_attention needs; attention layers "
-        "(MultiHeadAttention, GroupedQueryAttention, KerasHub's) compute in "
-        "float32 here, their projections in float16. On a GPU they compute "
-        "in float16.",
-        stacklevel=5,
-    )
-
-
 _O1_O2 = (Compute.ALLOW, Compute.DENY)
 
 # Kept at every level, whatever the level or the layer's place: another
@@ -261,12 +247,13 @@ RULES += (
     Rule((is_container, user_denied), FLOAT32, "{level}: deny=, float32"),
     Rule((is_container,), CONTAINER, "{level}: container"),
     # A model's other output layers compute as their level says and return
-    # float32 (`boundaries.py`), a probability activation of theirs in
-    # float32; a layer that is nothing but one has no matmul to gain.
+    # float32 (`boundaries.py`). Probabilities are float32 wherever they are
+    # computed (`probabilities.py`): a layer that is nothing but a softmax or
+    # sigmoid has no matmul to gain.
     Rule(
-        (is_output, layer_is(computes_probabilities), not_user_allowed),
+        (layer_is(computes_probabilities), not_user_allowed),
         FLOAT32,
-        "model output: probabilities in float32",
+        "probabilities in float32",
     ),
     # Exact at every level.
     Rule(
@@ -284,6 +271,13 @@ RULES += (
     Rule((computes(Compute.NONE),), FLOAT32, "{level}: float32"),
     # The user's `deny=` wins at every level, over the allow-list too.
     Rule((user_denied,), FLOAT32, "{level}: deny=, float32"),
+    # An output float16 could overflow (`output_losses.py`): a language
+    # model's head (a cross-entropy's logits) and bfloat16's stay in half.
+    Rule(
+        (output_losses.may_overflow_float16, not_user_allowed),
+        FLOAT32,
+        "model output ({loss}): float16 could overflow it, float32 (bfloat16 or allow= for half)",
+    ),
     # What float16 cannot hold (above); `allow=` overrides.
     Rule(
         (in_float16_at(*_O1_O2), layer_is(MASKS_WITH_1E9), not_user_allowed),
@@ -305,7 +299,7 @@ RULES += (
         (attention_needs_float32_here,),
         FLOAT32,
         "{level}: attention on JAX's CPU, float32 (no float16 dot there)",
-        note=_warn_jax_cpu_attention_once,
+        note=warn_jax_cpu_attention_once,
     ),
     # Mixture of experts: the router, and the routing, in float32.
     Rule((router, not_user_allowed), FLOAT32, "{level}: expert router, float32"),
@@ -356,7 +350,8 @@ def decide(layer, place, rules=RULES):
     rule = first_rule(layer, place, rules)
     if rule.note is not None:
         rule.note(layer)
-    return _policy(rule.policy, place.amp), _reason(rule.reason, layer, place.amp)
+    reason = _reason(rule.reason, layer, place.amp, output_losses.describe(place.loss))
+    return _policy(rule.policy, place.amp), reason
 
 
 def first_rule(layer, place, rules=RULES):
@@ -390,10 +385,10 @@ def _policy(policy, amp):
     }[policy]
 
 
-def _reason(reason, layer, amp):
-    level = getattr(amp, "name", "")
+def _reason(reason, layer, amp, loss=""):
     return reason.format(
-        level=level,
+        level=getattr(amp, "name", ""),
+        loss=loss,
         policy=layer.dtype_policy.name,
         compute=keras.backend.standardize_dtype(layer.compute_dtype),
         misaligned=float8.misaligned(layer) if "{misaligned}" in reason else "",

@@ -1,0 +1,67 @@
+"""Probabilities in float32 wherever they are computed, as under torch.autocast.
+
+- A layer's own softmax, log_softmax or sigmoid (`Dense(10,
+  activation="softmax")`, anywhere in the model) runs on its inputs cast to
+  float32 while the layer's matmul runs in half: its outputs are float32.
+  The activation is replaced once, when the layer's policy is set, by a
+  function of the same name and module (`float32_activation`): the layer's
+  config and saved file name the user's activation, and nothing changes
+  while the layer runs, so threads calling the model share it safely.
+- A layer that is nothing but a probability (`Softmax`, `Activation`) is
+  float32 at every level (`rules.py`).
+- A layer that only moves values (`Reshape`, `Flatten`, `layer_kinds.
+  DATA_MOVEMENT`) passes on the dtype it receives: a float32 probability on
+  its way to an output stays float32, a half activation stays half.
+"""
+
+import functools
+
+import keras
+
+from keras_mp._src.precision.layer_kinds import DATA_MOVEMENT
+from keras_mp._src.precision.layer_kinds import probability_activation
+
+_ORIGINAL = "_keras_mp_float32_of"
+
+
+def float32_activation(activation):
+    """`activation` computed on its input cast to float32 (same name, module
+    and signature, so that Keras serializes it as `activation`)."""
+    if getattr(activation, _ORIGINAL, None) is not None:
+        return activation
+
+    @functools.wraps(activation)
+    def in_float32(x, *args, **kwargs):
+        return activation(keras.ops.cast(x, "float32"), *args, **kwargs)
+
+    setattr(in_float32, _ORIGINAL, activation)
+    return in_float32
+
+
+def original_activation(activation):
+    """The user's activation behind `float32_activation`'s (itself otherwise)."""
+    return getattr(activation, _ORIGINAL, None) or activation
+
+
+def computes_in_float32(layer):
+    """Whether `layer` runs its probability activation in float32."""
+    return getattr(getattr(layer, "activation", None), _ORIGINAL, None) is not None
+
+
+def set_probabilities(layers):
+    """For each layer (its policy set): a probability activation in float32
+    where it computes in half, the user's own where it computes in float32;
+    data movement in the dtype it receives."""
+    for layer in layers:
+        if isinstance(layer, DATA_MOVEMENT):
+            # Keras casts a layer's float inputs to its compute dtype first.
+            object.__setattr__(layer, "_convert_input_args", False)
+            continue
+        if probability_activation(layer) is None or not callable(layer.activation):
+            continue
+        compute = keras.backend.standardize_dtype(layer.compute_dtype)
+        wanted = original_activation(layer.activation)
+        if compute in ("float16", "bfloat16"):
+            wanted = float32_activation(wanted)
+        if wanted is not layer.activation:
+            object.__setattr__(layer, "activation", wanted)
