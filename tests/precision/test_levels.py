@@ -16,8 +16,9 @@ F32 = "float32"
 
 # kind: (compute, variables) per level; "half" is the level's half dtype.
 # An output layer computes as its kind does at the level (the head is a
-# Dense) and returns float32; an output layer that only computes
-# probabilities (a Softmax) is float32 at every level.
+# Dense whose logits a softmax reads) and returns float32; a layer that
+# only computes probabilities (a Softmax) is float32 at every level,
+# wherever it sits.
 TABLE = {
     "O0": {"allow": (F32, F32), "other": (F32, F32), "norm": (F32, F32), "probs": (F32, F32)},
     "O1": {"allow": (HALF, F32), "other": (F32, F32), "norm": (F32, F32), "probs": (F32, F32)},
@@ -39,7 +40,7 @@ KINDS = {
     "embedding_like": "allow",  # a Dense too
     "batch_norm": "norm",  # the deny-list
     "layer_norm": "norm",
-    "softmax": "norm",
+    "softmax": "probs",  # a Softmax inside the model
     "head": "allow",  # an output layer
     "probs": "probs",  # an output layer that is a Softmax
 }

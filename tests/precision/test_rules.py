@@ -41,12 +41,28 @@ class Net(keras.Model):
 
 
 def _decide(
-    layer, level, half="float16", parent=None, output=False, inside=False, denied=False, **amp
+    layer,
+    level,
+    half="float16",
+    parent=None,
+    output=False,
+    inside=False,
+    denied=False,
+    head=None,
+    loss=None,
+    **amp,
 ):
     settings_ = amp_settings.for_layers(level, half, **amp)
     model = keras.Sequential([L.Dense(1)])
     place = rules.Place(
-        settings_, model, parent, output=output, inside_allowed=inside, inside_denied=denied
+        settings_,
+        model,
+        parent,
+        output=output,
+        inside_allowed=inside,
+        inside_denied=denied,
+        head=head,
+        loss=loss,
     )
     return rules.decide(layer, place)
 
@@ -72,7 +88,15 @@ ROWS = [
     ),
     ("O2: container", lambda: keras.Sequential([L.Dense(2)]), {}, "O2", "mixed_float16"),
     ("O3: container", lambda: keras.Sequential([L.Dense(2)]), {}, "O3", "float16"),
-    ("model output: probabilities in float32", L.Softmax, {"output": True}, "O3", "float32"),
+    ("probabilities in float32", L.Softmax, {}, "O3", "float32"),
+    (
+        "model output (loss mean_squared_error): float16 could overflow it, float32 "
+        "(bfloat16 or allow= for half)",
+        lambda: L.Dense(1),
+        {"output": True, "head": False, "loss": ("mean_squared_error", False)},
+        "O2",
+        "float32",
+    ),
     (
         "model output: your layer, float32 (allow= for half)",
         Block,
@@ -136,8 +160,11 @@ def test_every_row_of_the_table_is_tested_here_or_in_the_zoo():
         where = dict(where)
         parent = SparseMoeBlock() if where.pop("parent", None) == "moe" else None
         output, inside = where.pop("output", False), where.pop("inside", False)
+        head, loss = where.pop("head", None), where.pop("loss", None)
         amp = amp_settings.for_layers(level, "float16", **where)
-        place = rules.Place(amp, None, parent, output=output, inside_allowed=inside)
+        place = rules.Place(
+            amp, None, parent, output=output, inside_allowed=inside, head=head, loss=loss
+        )
         decided.add(id(rules.first_rule(make(), place)))
     # KerasHub's families (T5, T5Gemma, RWKV-7, Qwen3.5): tests/zoo builds
     # those models and checks their rows; JAX's CPU attention: test_policies.
@@ -212,13 +239,11 @@ def test_some_row_decides_every_layer_at_every_level(make, level, half, output, 
         assert policy.compute_dtype in ("float32", half)
         if level == "O0":
             assert policy.compute_dtype == "float32" or isinstance(layer, keras.Model)
-        if output and isinstance(layer, (L.Softmax, Block)):
-            # Probabilities, and your own layer's code, leave the model in float32.
+        if isinstance(layer, L.Softmax) or (output and isinstance(layer, Block)):
+            # Probabilities (anywhere), and your own layer's code at an
+            # output, are float32.
             assert policy.compute_dtype == "float32"
     attention_float32 = backends.current.half_attention_needs_float32(half)
     # Any other layer computes in half at O3, the model's output layers too.
-    if level == "O3" and not isinstance(layer, (L.Hashing, Block)):
-        if not (output and isinstance(layer, L.Softmax)):
-            assert policy is not None and (policy.compute_dtype == half or attention_float32), (
-                reason
-            )
+    if level == "O3" and not isinstance(layer, (L.Hashing, Block, L.Softmax)):
+        assert policy is not None and (policy.compute_dtype == half or attention_float32), reason

@@ -24,6 +24,7 @@ import keras
 from keras_mp._src import keras_internals
 from keras_mp._src.precision import layer_tree
 from keras_mp._src.precision.layer_kinds import ALLOW_LIST
+from keras_mp._src.precision.layer_kinds import bounded_activation
 
 # Keras's float8 layers, by exact class: a subclass's own `call` would be
 # bypassed by Keras's `quantized_call` (and `quantize` refuses subclasses).
@@ -192,3 +193,57 @@ def first_layers(model):
         else:
             raw.add(id(operation))
     return first
+
+
+def head_layers(model, outputs):
+    """`{id(layer): (output layer, bounded)}` for the layers that make each
+    of the model's outputs: the output layer and, walking back from it
+    through layers without weights of their own (`Reshape`, `Activation`,
+    pooling), the first layer with weights on each path (looking inside
+    nested models), the head whose matmul makes the output. `bounded`: a
+    bounded activation (softmax, sigmoid, tanh) at or after the layer on
+    its path keeps the output in range. A subclassed model's order of calls
+    is unknown: the last such layer it holds."""
+    heads = {}
+
+    def add(layer, output, bounded):
+        bounded = bounded or _bounds_its_outputs(layer)
+        heads[id(layer)] = (output, bounded)
+        return bounded
+
+    for output in outputs:
+        bounded = add(output, output, False)
+        if layer_tree.is_subclassed(output):
+            weighted = [
+                layer
+                for layer in layer_tree.layers_in_order(output)[1:]
+                if not layer_tree.is_container(layer) and _weighs_inputs(layer)
+            ]
+            for layer in weighted[-1:]:
+                add(layer, output, bounded)
+    if isinstance(model, keras.Sequential):
+        layers = model.layers
+        if layers and id(layers[-1]) in heads and not _weighs_inputs(layers[-1]):
+            bounded = heads[id(layers[-1])][1]
+            for layer in reversed(layers[:-1]):
+                bounded = add(layer, layers[-1], bounded)
+                if _weighs_inputs(layer) or layer_tree.is_container(layer):
+                    break
+        return heads
+    parents = {id(op): ps for op, ps in keras_internals.operations_from_inputs(model)}
+    for output in outputs:
+        if _weighs_inputs(output):
+            continue
+        stack = [(p, heads[id(output)][1]) for p in parents.get(id(output), ())]
+        while stack:
+            layer, bounded = stack.pop()
+            if id(layer) in heads or isinstance(layer, keras.layers.InputLayer):
+                continue
+            bounded = add(layer, output, bounded)
+            if not _weighs_inputs(layer) and not layer_tree.is_container(layer):
+                stack.extend((p, bounded) for p in parents.get(id(layer), ()))
+    return heads
+
+
+def _bounds_its_outputs(layer):
+    return bounded_activation(layer) is not None or isinstance(layer, keras.layers.Softmax)

@@ -15,8 +15,6 @@ float32's range, keeps every head in half (`rules.py`).
 
 import keras
 
-from keras_mp._src.precision.layer_kinds import bounded_activation
-
 # Losses that read logits or probabilities (or ±1 margins): their output
 # layer's values are bounded by what the loss trains them to be.
 CROSS_ENTROPIES = frozenset(
@@ -74,15 +72,6 @@ def of_outputs(model, outputs, loss):
 def _kind(loss):
     name = loss_name(loss)
     return name, name in CROSS_ENTROPIES
-
-
-def may_overflow_float16(layer, place):
-    """A rule's condition: a float16 output whose values nothing bounds, its
-    loss no cross-entropy (a regression's, or one keras_mp does not know)
-    and no bounded activation of its own keeping it in range."""
-    known = place.loss is not None and place.loss[1]
-    bounded = bounded_activation(layer) is not None
-    return place.output and place.amp.half == "float16" and not known and not bounded
 
 
 def describe(loss):

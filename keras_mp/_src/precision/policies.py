@@ -172,6 +172,7 @@ def decide_all(model, amp, outputs=None):
     # The loss `compile` was given, or the one a compiled model has.
     loss = amp.loss if amp.loss is not None else getattr(model, "loss", None)
     losses = output_losses.of_outputs(model, outputs, loss)
+    heads = float8.head_layers(model, outputs)
     allow = ALLOW_LIST + amp.allow
     for layer, parent in layer_tree.tree(model):
         if parent is not None and (
@@ -192,7 +193,8 @@ def decide_all(model, amp, outputs=None):
             inside_allowed=id(layer) in inside_allowed,
             inside_denied=id(layer) in inside_denied,
             first=id(layer) in first,
-            loss=losses.get(id(layer)),
+            head=heads.get(id(layer), (None, None))[1],
+            loss=losses.get(id(heads.get(id(layer), (None,))[0])),
         )
         decisions.append((layer, rules.decide(layer, place)))
     return decisions

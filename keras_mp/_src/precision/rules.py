@@ -21,26 +21,38 @@ import dataclasses
 
 import keras
 
-from keras_mp._src import backends
 from keras_mp._src.precision import float8
-from keras_mp._src.precision import layer_tree
 from keras_mp._src.precision import output_losses
-from keras_mp._src.precision.layer_kinds import ALLOW_LIST
-from keras_mp._src.precision.layer_kinds import DENY_LIST
+from keras_mp._src.precision.conditions import Place  # noqa: F401
+from keras_mp._src.precision.conditions import attention_needs_float32_here
+from keras_mp._src.precision.conditions import computes
+from keras_mp._src.precision.conditions import denied
+from keras_mp._src.precision.conditions import in_float8
+from keras_mp._src.precision.conditions import in_float16_at
+from keras_mp._src.precision.conditions import inside_allowed
+from keras_mp._src.precision.conditions import is_container
+from keras_mp._src.precision.conditions import is_first
+from keras_mp._src.precision.conditions import is_head
+from keras_mp._src.precision.conditions import is_model_io
+from keras_mp._src.precision.conditions import is_output
+from keras_mp._src.precision.conditions import keep_batchnorm_fp32
+from keras_mp._src.precision.conditions import layer_is
+from keras_mp._src.precision.conditions import may_overflow_float16
+from keras_mp._src.precision.conditions import not_denied
+from keras_mp._src.precision.conditions import not_user_allowed
+from keras_mp._src.precision.conditions import on_allow_list
+from keras_mp._src.precision.conditions import own_arithmetic_in_float32
+from keras_mp._src.precision.conditions import router
+from keras_mp._src.precision.conditions import user_denied
 from keras_mp._src.precision.layer_kinds import EPS_1E12
 from keras_mp._src.precision.layer_kinds import EXACT_PREPROCESSING
 from keras_mp._src.precision.layer_kinds import MASKS_WITH_1E9
 from keras_mp._src.precision.layer_kinds import OWN_L2_NORM
 from keras_mp._src.precision.layer_kinds import computes_no_float
 from keras_mp._src.precision.layer_kinds import computes_probabilities
-from keras_mp._src.precision.layer_kinds import is_attention
-from keras_mp._src.precision.layer_kinds import is_normalization
-from keras_mp._src.precision.layer_kinds import is_router
-from keras_mp._src.precision.layer_kinds import matches
 from keras_mp._src.precision.layer_kinds import of_class
 from keras_mp._src.precision.layer_kinds import quantized
 from keras_mp._src.precision.layer_kinds import routes_experts
-from keras_mp._src.precision.layer_kinds import runs_unknown_arithmetic
 from keras_mp._src.precision.layer_kinds import runs_users_code
 from keras_mp._src.precision.layer_kinds import warn_jax_cpu_attention_once
 from keras_mp._src.precision.levels import Compute
@@ -54,142 +66,6 @@ LEVEL_HALF = "level half"
 FLOAT8 = "float8"
 CONTAINER = "container"
 KEEP = "keep"
-
-
-# -- where a layer sits ---------------------------------------------------------
-
-
-@dataclasses.dataclass(frozen=True)
-class Place:
-    """What a rule may ask besides the layer: the settings and its place.
-
-    Attributes:
-        amp: the `AmpSettings` being applied.
-        model: the model `apply_amp` was given.
-        parent: the layer that calls this one (None for the model).
-        output: whether its outputs are the model's outputs.
-        inside_allowed: whether it sits inside an allow-listed layer (O1).
-        inside_denied: whether it sits inside a nested model named in `deny=`.
-        first: whether it takes the model's raw inputs (`float8.first_layers`).
-        loss: an output's `(loss name, whether a cross-entropy)`, or None
-            (`output_losses.of_outputs`).
-    """
-
-    amp: object
-    model: object
-    parent: object = None
-    output: bool = False
-    inside_allowed: bool = False
-    inside_denied: bool = False
-    first: bool = False
-    loss: tuple = None
-
-
-# -- conditions: (layer, place) -> bool -----------------------------------------
-
-
-def layer_is(test):
-    """A condition from a test of the layer alone (`layer_kinds.py`)."""
-
-    def condition(layer, place):
-        return test(layer)
-
-    condition.__name__ = getattr(test, "__name__", "layer_is")
-    return condition
-
-
-def is_model_io(layer, place):
-    """A subclassed model that is the model, or one of its outputs: its
-    `call` is a forward pass, whose inputs and outputs are float32."""
-    return layer_tree.is_subclassed(layer) and (layer is place.model or place.output)
-
-
-def is_container(layer, place):
-    return layer_tree.is_container(layer)
-
-
-def is_output(layer, place):
-    return place.output
-
-
-def is_first(layer, place):
-    return place.first
-
-
-def in_float8(layer, place):
-    """The level computes its chosen matmuls in FP8 (`amp_dtype="float8"`)."""
-    return place.amp.float8 is not None
-
-
-def inside_allowed(layer, place):
-    return place.inside_allowed
-
-
-def on_allow_list(layer, place):
-    return matches(layer, ALLOW_LIST + place.amp.allow)
-
-
-def denied(layer, place):
-    """On the deny-list, the user's `deny=`, or a normalisation."""
-    return matches(layer, DENY_LIST + place.amp.deny) or is_normalization(layer)
-
-
-def not_denied(layer, place):
-    return not denied(layer, place)
-
-
-def user_denied(layer, place):
-    """Named in `deny=`, or inside a nested model that is (all of it float32)."""
-    return matches(layer, place.amp.deny) or place.inside_denied
-
-
-def not_user_allowed(layer, place):
-    """The user did not name it in `allow=` (which overrides the float32
-    rows for layers it names)."""
-    return not matches(layer, place.amp.allow)
-
-
-def router(layer, place):
-    return is_router(layer, place.parent)
-
-
-def attention_needs_float32_here(layer, place):
-    return is_attention(layer) and backends.current.half_attention_needs_float32(place.amp.half)
-
-
-def keep_batchnorm_fp32(layer, place):
-    return isinstance(layer, keras.layers.BatchNormalization) and place.amp.keep_batchnorm_fp32
-
-
-def computes(*computes):
-    """The level computes in half on these (`levels.Compute`)."""
-
-    def condition(layer, place):
-        return place.amp.compute in computes
-
-    condition.__name__ = f"computes({', '.join(c.name for c in computes)})"
-    return condition
-
-
-def in_float16_at(*computes_):
-    """float16 (not bfloat16) at a level that computes as `computes_`."""
-    at = computes(*computes_)
-
-    def condition(layer, place):
-        return place.amp.half == "float16" and at(layer, place)
-
-    condition.__name__ = f"in_float16_at({', '.join(c.name for c in computes_)})"
-    return condition
-
-
-def own_arithmetic_in_float32(layer, place):
-    """A composite layer of the user's at O2 in float16, not in `allow=`:
-    its own arithmetic (and a subclassed model's own `call`) in float32."""
-    return (
-        in_float16_at(Compute.DENY)(layer, place)
-        and runs_unknown_arithmetic(layer)
-        and not_user_allowed(layer, place)
-    )
 
 
 # -- the table ------------------------------------------------------------------
@@ -230,7 +106,7 @@ def _fp8_in_bfloat16(condition, reason):
 
 
 FLOAT8_RULES = (
-    _fp8_in_bfloat16(is_output, "output layer in bfloat16 (allow= for FP8)"),
+    _fp8_in_bfloat16(is_head, "output layer in bfloat16 (allow= for FP8)"),
     _fp8_in_bfloat16(is_first, "first layer in bfloat16 (allow= for FP8)"),
     _fp8_in_bfloat16(layer_is(float8.misaligned), "{misaligned} not a multiple of 16, bfloat16"),
     Rule(_FP8, FLOAT8, _FP8_REASON),
@@ -271,13 +147,6 @@ RULES += (
     Rule((computes(Compute.NONE),), FLOAT32, "{level}: float32"),
     # The user's `deny=` wins at every level, over the allow-list too.
     Rule((user_denied,), FLOAT32, "{level}: deny=, float32"),
-    # An output float16 could overflow (`output_losses.py`): a language
-    # model's head (a cross-entropy's logits) and bfloat16's stay in half.
-    Rule(
-        (output_losses.may_overflow_float16, not_user_allowed),
-        FLOAT32,
-        "model output ({loss}): float16 could overflow it, float32 (bfloat16 or allow= for half)",
-    ),
     # What float16 cannot hold (above); `allow=` overrides.
     Rule(
         (in_float16_at(*_O1_O2), layer_is(MASKS_WITH_1E9), not_user_allowed),
@@ -314,6 +183,13 @@ RULES += (
         (is_output, layer_is(runs_users_code), not_user_allowed),
         FLOAT32,
         "model output: your layer, float32 (allow= for half)",
+    ),
+    # An output float16 could overflow (`output_losses.py`): a language
+    # model's head (a cross-entropy's logits) and bfloat16's stay in half.
+    Rule(
+        (may_overflow_float16, not_user_allowed),
+        FLOAT32,
+        "model output ({loss}): float16 could overflow it, float32 (bfloat16 or allow= for half)",
     ),
     # A composite layer of the user's, at O2 in float16.
     Rule(

@@ -1,0 +1,159 @@
+"""Probabilities in float32 wherever they are computed (issue 63.2, 63.3).
+
+A `Dense(2, activation="softmax")` whose float32 probabilities are
+(1, 2.06e-9): in float16 the second rounds to 0. It must come out as
+float32's wherever the layer sits (a Sequential, a nested model, before a
+`Reshape`, feeding another head too, inside a subclassed model), at every
+half level, and its config and saved file stay the user's, with threads
+calling the model.
+"""
+
+import threading
+
+import keras
+import numpy as np
+import pytest
+
+import keras_mp
+
+L = keras.layers
+SMALL = float(np.exp(-20.0) / (1.0 + np.exp(-20.0)))  # 2.06e-9: 0 in float16
+
+
+def _head(name="head"):
+    # Logits (10, -10) for an input of 1.
+    return L.Dense(
+        2,
+        activation="softmax",
+        name=name,
+        kernel_initializer=keras.initializers.Constant([[10.0, -10.0]]),
+        bias_initializer="zeros",
+    )
+
+
+class _Subclassed(keras.Model):
+    def __init__(self, **kwargs):
+        super().__init__(**kwargs)
+        self.hidden = L.Dense(1, kernel_initializer="ones", bias_initializer="zeros")
+        self.head = _head()
+
+    def call(self, x):
+        return self.head(self.hidden(x))
+
+
+def _sequential():
+    return keras.Sequential([keras.Input((1,)), _head()])
+
+
+def _nested():
+    return keras.Sequential([keras.Input((1,)), keras.Sequential([_head()])])
+
+
+def _reshaped():
+    inputs = keras.Input((1,))
+    return keras.Model(inputs, L.Reshape((2, 1))(_head()(inputs)))
+
+
+def _two_heads():
+    inputs = keras.Input((1,))
+    probs = _head()(inputs)
+    return keras.Model(inputs, [probs, L.Dense(3, name="other")(probs)])
+
+
+SHAPES = {
+    "sequential": _sequential,
+    "nested": _nested,
+    "reshaped": _reshaped,
+    "two_heads": _two_heads,
+    "subclassed": _Subclassed,
+}
+
+
+def _probabilities(model):
+    out = model(np.ones((1, 1), "float32"))
+    probs = keras.tree.flatten(out)[0]
+    assert keras.backend.standardize_dtype(probs.dtype) == "float32"
+    return keras.ops.convert_to_numpy(probs).reshape(-1)
+
+
+@pytest.mark.parametrize("shape", list(SHAPES))
+@pytest.mark.parametrize("level", ["O1", "O2", "O3"])
+def test_a_softmax_keeps_float32_probabilities_wherever_it_sits(shape, level):
+    model = SHAPES[shape]()
+    keras_mp.apply_amp(model, level, "float16")
+    probs = _probabilities(model)
+    np.testing.assert_allclose(probs, [1.0, SMALL], rtol=1e-3)
+
+
+@pytest.mark.parametrize("level", ["O2", "O3"])
+def test_softmax_and_sigmoid_layers_are_float32_inside_the_model(level):
+    """A `Softmax` and an `Activation("sigmoid")` between half layers: float32
+    at every level, O3 too."""
+    inputs = keras.Input((4,))
+    x = L.Dense(4, name="d1")(inputs)
+    x = L.Softmax(name="softmax")(x)
+    x = L.Activation("sigmoid", name="sigmoid")(L.Dense(4, name="d2")(x))
+    model = keras.Model(inputs, L.Dense(3, name="out")(x))
+    keras_mp.apply_amp(model, level, "float16")
+    assert model.get_layer("softmax").compute_dtype == "float32"
+    assert model.get_layer("sigmoid").compute_dtype == "float32"
+    assert model.get_layer("d2").compute_dtype == "float16"
+
+
+def test_threads_leave_the_layer_and_its_file_as_the_user_made_them(tmp_path):
+    """Four threads calling the model 100 times each: the activation is the
+    user's (by name) in the config and the saved file, which loads and
+    predicts as the model does."""
+    model = _sequential()
+    model.compile(optimizer="sgd", loss="sparse_categorical_crossentropy", amp_level="O2")
+    x = np.ones((1, 1), "float32")
+    errors = []
+
+    def calls():
+        try:
+            for _ in range(100):
+                np.testing.assert_allclose(
+                    keras.ops.convert_to_numpy(model(x))[0], [1.0, SMALL], rtol=1e-3
+                )
+        except Exception as e:  # noqa: BLE001 (reported below)
+            errors.append(e)
+
+    threads = [threading.Thread(target=calls) for _ in range(4)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    assert not errors, errors[0]
+    head = model.get_layer("head")
+    assert head.get_config()["activation"] == "softmax"
+    assert head.activation.__name__ == "softmax"
+    model.save(tmp_path / "model.keras")
+    loaded = keras.models.load_model(tmp_path / "model.keras")
+    assert loaded.get_layer("head").get_config()["activation"] == "softmax"
+    np.testing.assert_array_equal(
+        keras.ops.convert_to_numpy(loaded(x)), keras.ops.convert_to_numpy(model(x))
+    )
+
+
+def test_o0_gives_the_user_s_activation_back():
+    model = _sequential()
+    activation = model.get_layer("head").activation
+    keras_mp.apply_amp(model, "O2")
+    assert model.get_layer("head").activation is not activation  # float32 form
+    keras_mp.apply_amp(model, "O0")
+    assert model.get_layer("head").activation is activation
+
+
+def test_data_movement_passes_on_the_dtype_it_receives():
+    """A `Flatten` after a half layer stays half (memory as Keras's policy);
+    after a float32 probability it stays float32."""
+    inputs = keras.Input((2, 2))
+    half = L.Flatten(name="after_half")(L.Dense(2, name="dense")(inputs))
+    probs = L.Flatten(name="after_probs")(L.Dense(2, activation="softmax", name="sm")(inputs))
+    model = keras.Model(inputs, [L.Dense(2, name="a")(half), L.Dense(2, name="b")(probs)])
+    keras_mp.apply_amp(model, "O2", "float16")
+    probe = keras.Model(
+        model.inputs, [model.get_layer("after_half").output, model.get_layer("after_probs").output]
+    )
+    got = probe(np.ones((1, 2, 2), "float32"))
+    assert [keras.backend.standardize_dtype(t.dtype) for t in got] == ["float16", "float32"]
