@@ -13,10 +13,13 @@ from keras_mp._src.tools import speed_trace
 def _model(units):
     """A hidden Dense `d` and an output Dense (both half at O2/O3; the
     output returns float32)."""
-    return keras.Sequential(
+    model = keras.Sequential(
         [keras.Input((1024,)), keras.layers.Dense(units, name="d"), keras.layers.Dense(8)],
         name="s",
     )
+    # Logits read by a cross-entropy: the head computes in half.
+    model.compile(loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+    return model
 
 
 def _accounts(model, batch, level, dtype="float16"):

@@ -21,7 +21,10 @@ def _classifier(name="clf"):
     x = L.Flatten(name="flatten")(x)
     x = L.Dense(250, name="hidden")(x)
     outputs = L.Dense(10, name="logits")(x)
-    return keras.Model(inputs, outputs, name=name)
+    model = keras.Model(inputs, outputs, name=name)
+    # Its logits read by a cross-entropy: the head computes in half.
+    model.compile(loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+    return model
 
 
 X = np.zeros((64, 8, 8, 1), "float32")

@@ -18,7 +18,7 @@ def test_precision_summary_rows_and_text():
     assert rows["bn"]["rule"] == "O2 deny-list"
     assert rows["conv"]["compute_dtype"] == "float16"
     assert rows["conv"]["variable_dtype"] == "float32"
-    assert rows["probs"]["rule"] == "model output: probabilities in float32"
+    assert rows["probs"]["rule"] == "probabilities in float32"
     assert rows["probs"]["compute_dtype"] == "float32"
     for name in NAMES:
         assert name in summary.text
