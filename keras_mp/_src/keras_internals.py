@@ -90,6 +90,10 @@ no_automatic_dependency_tracking = _need(
 )
 LossFunctionWrapper = _need("keras.src.losses.losses", "LossFunctionWrapper")
 get_input_signature = _need("keras.src.export.export_utils", "get_input_signature")
+# `load_model`'s reading of a `.keras` file's config: keras_mp gives a model
+# loaded with `compile=False` the precision its compile config recorded.
+saving_lib = importlib.import_module("keras.src.saving.saving_lib")
+_need("keras.src.saving.saving_lib", "_model_from_config")
 # Optional: absent in a Keras that sums `add_loss` losses some other way,
 # and then left alone.
 aggregate_additional_loss = getattr(Trainer, "_aggregate_additional_loss", None)

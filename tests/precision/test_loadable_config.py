@@ -129,3 +129,67 @@ def test_a_keras_hub_gemma_reloads_exactly_trained_or_not(tmp_path, level, dtype
         np.testing.assert_array_equal(_predict(loaded, x), _predict(model, x))
         scale = keras.ops.convert_to_numpy(loaded.optimizer.loss_scale)
         assert float(scale) == float(keras.ops.convert_to_numpy(model.optimizer.loss_scale))
+
+
+_PLAIN_KERAS_LOAD = """
+import sys
+import keras
+import numpy as np
+assert "keras_mp" not in sys.modules
+x = np.load(sys.argv[1])
+for path in sys.argv[2:]:
+    try:
+        model = keras.models.load_model(path, compile=False)
+    except Exception as error:
+        print("refused:", str(error).splitlines()[-1])
+    else:
+        print("loaded:", np.asarray(model.predict(x, verbose=0)).dtype)
+"""
+
+
+def test_a_file_loaded_without_keras_mp_is_refused_by_name_and_with_it_exact(tmp_path):
+    """Issue 63.10, at O2 float16 and O3 bfloat16: the head computes in half
+    and returns float32 and its softmax runs in float32, which keras_mp does
+    when the layer runs. A process that never imports keras_mp refuses the
+    file with a message naming keras_mp, rather than predicting something
+    else; one that has, loading with `compile=False` (no compile config
+    read), predicts as the saved model did, bit for bit."""
+    import subprocess
+    import sys
+
+    from tests import processes
+
+    data = np.random.default_rng(0).normal(size=(4, 4)).astype("float32") * 30
+    x_path = str(tmp_path / "x.npy")
+    np.save(x_path, data)
+    saved = {}
+    for level, dtype in (("O2", "float16"), ("O3", "bfloat16")):
+        keras.utils.set_random_seed(0)
+        inputs = keras.Input((4,))
+        x = keras.layers.Dense(8, activation="relu")(inputs)
+        head = keras.layers.Dense(3, activation="softmax", name="head")(x)
+        model = keras.Model(inputs, head)
+        model.compile(
+            optimizer="sgd",
+            loss="sparse_categorical_crossentropy",
+            amp_level=level,
+            amp_dtype=dtype,
+        )
+        path = str(tmp_path / f"{level}.keras")
+        model.save(path)
+        saved[path] = model.predict(data, verbose=0)
+    result = subprocess.run(
+        [sys.executable, "-c", _PLAIN_KERAS_LOAD, x_path, *saved],
+        env=processes.env_for(keras.backend.backend()),
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    lines = result.stdout.strip().splitlines()
+    assert len(lines) == 2 and all(
+        ln.startswith("refused:") and "keras_mp" in ln for ln in lines
+    ), result.stdout
+    for path, predicted in saved.items():
+        loaded = keras.models.load_model(path, compile=False)
+        np.testing.assert_array_equal(loaded.predict(data, verbose=0), predicted)

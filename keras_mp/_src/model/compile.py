@@ -202,5 +202,8 @@ def install():
     for name, hook in hooks.items():
         if getattr(Trainer, name) is not hook:
             setattr(Trainer, name, hook)
+    saving_lib = keras_internals.saving_lib
+    if saving_lib._model_from_config is not saved_precision.model_from_config_with_precision:
+        saving_lib._model_from_config = saved_precision.model_from_config_with_precision
     model_hooks.install()
     half_initializers.install()

@@ -10,6 +10,7 @@ extended here are installed by `compile.install`.
 
 import functools
 import inspect
+import json
 import warnings
 
 import keras
@@ -21,6 +22,7 @@ from keras_mp._src.precision import policies
 from keras_mp._src.precision import probabilities
 from keras_mp._src.precision import rules
 from keras_mp._src.precision.layer_kinds import matches
+from keras_mp._src.precision.loadable_config import mark_policies
 
 # The compile config's keys of the amp settings, and of each layer's record.
 AMP_ARGUMENTS = (
@@ -36,6 +38,7 @@ AMP_LAYERS = "amp_layers"
 _SAVED_PRECISION = "_keras_mp_saved_precision"
 
 Trainer = keras_internals.Trainer
+keras_model_from_config = keras_internals.saving_lib._model_from_config
 keras_compile_from_config = Trainer.compile_from_config
 keras_get_compile_config = Trainer.get_compile_config
 
@@ -97,6 +100,7 @@ def restore_precision(model, record):
     probabilities.set_probabilities(layers)
     for layer, entry in zip(layers, record):
         boundaries.set_boundary_casts(layer, *(entry.get("casts") or (None, None)))
+    mark_policies(layers, policies.needs_keras_mp)
     policies.mark_amp_model(model)
     policies.set_layer_lists(
         model,
@@ -187,3 +191,22 @@ def _takes(method, config):
     except TypeError:
         return False
     return True
+
+
+@functools.wraps(keras_model_from_config)
+def model_from_config_with_precision(config_json, custom_objects, compile, safe_mode):
+    """`load_model`'s model from a `.keras` file's config; with
+    `compile=False` (no `compile_from_config`), the precision its compile
+    config recorded is given back too: the file computes what the model
+    computed when it was saved."""
+    model = keras_model_from_config(config_json, custom_objects, compile, safe_mode)
+    if not compile and isinstance(model, keras.Model):
+        try:
+            compile_config = json.loads(config_json).get("compile_config") or {}
+        except (TypeError, ValueError):
+            compile_config = {}
+        record = compile_config.get("config", compile_config).get(AMP_LAYERS)
+        if record is not None:
+            object.__setattr__(model, _SAVED_PRECISION, record)
+            restore_saved(model)
+    return model

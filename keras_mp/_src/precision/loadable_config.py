@@ -1,8 +1,17 @@
-"""Configs of your own blocks that rebuild in the precision keras_mp set.
+"""Configs that rebuild in the precision keras_mp set, or refuse to rebuild
+without keras_mp.
 
 `apply_amp` gives this to each layer it sets a policy on
 (`keep_config_loadable`); it changes a layer's `get_config` only for a
 block of the user's written as Keras's guides write one.
+
+A layer that computes other than its policy alone says (its outputs cast
+to float32 or to its caller's dtype, its probabilities in float32, its
+inputs passed on uncast) holds a `keras_mp.AmpPolicy` (`mark_policies`): a
+Keras dtype policy of the same name, whose class plain Keras does not know.
+A `.keras` file of such a model loads where keras_mp is imported, and
+computes there what it computed when saved; elsewhere `load_model` fails
+with a message that names keras_mp, rather than computing something else.
 """
 
 import functools
@@ -12,6 +21,37 @@ import keras
 from keras_mp._src import keras_internals
 from keras_mp._src.precision import layer_tree
 from keras_mp._src.precision.layer_kinds import from_aware_package
+
+
+class AmpPolicy(keras.DTypePolicy):
+    """A Keras dtype policy whose layer keras_mp also casts (`mark_policies`).
+
+    It computes as `keras.DTypePolicy(name)` does; only its class, in a
+    saved file, says that the layer needs keras_mp.
+    """
+
+
+# Its name in a saved file, and in Keras's error where keras_mp is not
+# imported ("Cannot deserialize object of type `keras_mp.AmpPolicy`"), which
+# Keras raises for a class saved without a module; where keras_mp is
+# imported, Keras finds it by its registered name.
+AmpPolicy.__name__ = AmpPolicy.__qualname__ = "keras_mp.AmpPolicy"
+keras.saving.register_keras_serializable(package="keras_mp")(AmpPolicy)
+AmpPolicy.__module__ = None
+
+
+def mark_policies(layers, needs_keras_mp):
+    """Gives each layer for which `needs_keras_mp(layer)` holds an
+    `AmpPolicy` of its policy's name, and the others a plain policy back.
+    Quantized and float8 policies are left as they are."""
+    for layer in layers:
+        policy = layer.dtype_policy
+        if type(policy) not in (keras.DTypePolicy, AmpPolicy):
+            continue
+        wanted = AmpPolicy if needs_keras_mp(layer) else keras.DTypePolicy
+        if type(policy) is not wanted:
+            layer.dtype_policy = wanted(policy.name)
+
 
 _LOADABLE_CONFIG_ATTRIBUTE = "_keras_mp_loadable_config"
 _BUILT_UNDER_ATTRIBUTE = "_keras_mp_built_under"

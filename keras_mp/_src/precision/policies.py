@@ -24,6 +24,7 @@ from keras_mp._src.precision.layer_kinds import ALLOW_LIST
 from keras_mp._src.precision.layer_kinds import EXACT_PREPROCESSING
 from keras_mp._src.precision.layer_kinds import matches
 from keras_mp._src.precision.loadable_config import keep_config_loadable
+from keras_mp._src.precision.loadable_config import mark_policies
 
 _RULE_ATTRIBUTE = "_keras_mp_rule"
 # The rule of a layer keras_mp never set.
@@ -154,6 +155,7 @@ def apply(model, amp):
     layers = [layer for layer, _ in decisions]
     probabilities.set_probabilities(layers)
     _annotate_returns(boundaries.set_boundaries(model, outputs, entry_dtype), layers)
+    mark_policies(layers, needs_keras_mp)
     mark_amp_model(model)
     set_layer_lists(model, amp.allow, amp.deny)
     return model
@@ -219,6 +221,19 @@ def _annotate_returns(returns, layers):
             object.__setattr__(layer, _RULE_ATTRIBUTE, f"{rule}; {activation} in float32")
 
 
+def needs_keras_mp(layer):
+    """Whether `layer` computes other than its policy alone says: casts at
+    its boundary, probabilities in float32, inputs passed on uncast
+    (`loadable_config.mark_policies`)."""
+    casts = boundaries.casts_of(layer)
+    if casts is not None and any(cast is not None for cast in casts):
+        return True
+    if probabilities.computes_in_float32(layer):
+        return True
+    half = keras.backend.standardize_dtype(layer.compute_dtype) != "float32"
+    return half and isinstance(layer, layer_kinds.DATA_MOVEMENT)
+
+
 def layer_lists(model):
     """The `allow` and `deny` entries the latest `apply_amp` of `model` was
     given (empty tuples when none): `compile(amp_level=...)` applies its
@@ -270,6 +285,7 @@ def to_float(layer_or_model, dtype):
     # One dtype inside: no sublayer casts its outputs any more. What the
     # layer itself returns to its caller is left as it was.
     boundaries.set_boundaries(layer_or_model)
+    mark_policies([layer for layer, _ in decisions], needs_keras_mp)
     mark_amp_model(layer_or_model)
     return layer_or_model
 
