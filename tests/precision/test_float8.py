@@ -155,6 +155,78 @@ def test_only_keras_own_dense_and_einsum_dense_without_lora_compute_in_fp8():
 # -- the recipe and bad input ----------------------------------------------------
 
 
+def test_a_frozen_layer_computes_in_bfloat16_and_says_why():
+    """Issue 63.4: Keras's float8 layers move their scales only through the
+    optimizer, so a frozen one (a frozen base, the layers `enable_lora`
+    leaves alone) would compute with its scales stuck at 1."""
+    model = _mlp()
+    model.layers[1].trainable = False
+    model.compile(optimizer="adam", loss=_loss(), amp_level="O2", amp_dtype="float8")
+    frozen, trained = model.layers[1], model.layers[2]
+    assert frozen.dtype_policy.name == "mixed_bfloat16"
+    assert _rules(model)[frozen.name] == (
+        "O2 float8: frozen (FP8 scales move only in training), bfloat16"
+    )
+    assert trained.dtype_policy.quantization_mode == "float8"
+
+
+def test_a_trained_model_in_fp8_starts_from_its_kernels_amax():
+    """Issue 63.4: `apply_amp(model, "O2", "float8")` on trained weights of
+    a pretrained model's scale (std 3e-3): before any step the FP8 layer's
+    kernel scale is its own amax over E4M3's maximum, not 1 (with 1, most of
+    the kernel rounded to 0: relative error 0.31 against float32)."""
+    rng = np.random.default_rng(0)
+    reference = _mlp()
+    reference.set_weights(
+        [rng.normal(scale=3e-3, size=w.shape).astype("float32") for w in reference.get_weights()]
+    )
+    model = _mlp()
+    model.set_weights(reference.get_weights())
+    keras_mp.apply_amp(model, "O2", "float8")
+    assert "middle" in _fp8_layers(model)
+    layer = model.get_layer("middle")
+    kernel_amax = np.abs(reference.get_layer("middle").get_weights()[0]).max()
+    np.testing.assert_allclose(
+        keras.ops.convert_to_numpy(layer.kernel_scale), kernel_amax / 448.0, rtol=1e-6
+    )
+    x = rng.normal(size=(32, 64)).astype("float32")
+    inner = keras.Model(model.inputs, model.get_layer("middle").output)
+    want = keras.Model(reference.inputs, reference.get_layer("middle").output)(x)
+    got = keras.ops.convert_to_numpy(inner(x)).astype("float32")
+    want = keras.ops.convert_to_numpy(want)
+    # E4M3 keeps 3 bits of mantissa: a relative error per value of 2**-4.
+    assert np.linalg.norm(got - want) / np.linalg.norm(want) < 2**-4
+
+
+def test_the_output_layer_behind_weightless_layers_stays_out_of_fp8():
+    """Issue 63.5: a Dense followed by `Activation("softmax")`, and a
+    subclassed model's last Dense, are the model's output layers."""
+    inputs = keras.Input((64,))
+    x = keras.layers.Dense(64, name="first")(inputs)
+    x = keras.layers.Dense(64, name="middle")(x)
+    x = keras.layers.Dense(16, name="head")(x)
+    model = keras.Model(inputs, keras.layers.Activation("softmax")(x))
+    keras_mp.apply_amp(model, "O2", "float8")
+    assert model.get_layer("head").dtype_policy.name == "mixed_bfloat16"
+    assert model.get_layer("middle").dtype_policy.quantization_mode == "float8"
+
+    class Net(keras.Model):
+        def __init__(self):
+            super().__init__()
+            self.a = keras.layers.Dense(64)
+            self.b = keras.layers.Dense(64)
+            self.c = keras.layers.Dense(16)
+
+        def call(self, x):
+            return self.c(self.b(self.a(x)))
+
+    net = Net()
+    net(np.zeros((2, 64), "float32"))
+    keras_mp.apply_amp(net, "O2", "float8")
+    assert net.c.dtype_policy.name == "mixed_bfloat16"
+    assert net.b.dtype_policy.quantization_mode == "float8"
+
+
 def test_the_recipe_sets_the_amax_history_and_is_saved(tmp_path):
     model = _mlp()
     x, y = _digits()

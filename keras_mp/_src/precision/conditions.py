@@ -171,3 +171,10 @@ def may_overflow_float16(layer, place):
     cross-entropy (a regression's, or one keras_mp does not know)."""
     known = place.loss is not None and place.loss[1]
     return place.head is False and place.amp.half == "float16" and not known
+
+
+def frozen(layer, place):
+    """A layer that does not train (`trainable=False`, or a frozen kernel:
+    a frozen base, the layers `enable_lora` leaves alone)."""
+    kernel = getattr(layer, "_kernel", None) if layer.built else None
+    return not layer.trainable or (kernel is not None and not kernel.trainable)

@@ -20,6 +20,7 @@ import dataclasses
 import math
 
 import keras
+import numpy as np
 
 from keras_mp._src import keras_internals
 from keras_mp._src.precision import layer_tree
@@ -151,6 +152,27 @@ def misaligned(layer):
     of 16, or None."""
     bad = [f"{k}={v}" for k, v in gemm_dims(layer).items() if v % FLOAT8_MULTIPLE]
     return ", ".join(bad) or None
+
+
+def start_scales_from_weights(layer):
+    """A built layer just quantized to FP8: its kernel's scale from the
+    kernel's own amax (Keras starts every scale at 1, which rounds a
+    pretrained kernel of std 3e-3 mostly to 0 in E4M3 until a step has
+    trained it), as its first training step would have set it."""
+    kernel = getattr(layer, "_kernel", None)
+    if kernel is None or not hasattr(layer, "kernel_amax_history"):
+        return
+    values = keras.ops.cast(kernel, "float32")
+    amax = float(keras.ops.convert_to_numpy(keras.ops.max(keras.ops.abs(values))))
+    if not math.isfinite(amax) or amax <= 0.0:
+        return
+    history = np.zeros(layer.kernel_amax_history.shape, "float32")
+    history[0] = amax
+    layer.kernel_amax_history.assign(history)
+    layer.kernel_scale.assign(amax / E4M3_MAX)
+
+
+E4M3_MAX = 448.0
 
 
 def _weighs_inputs(layer):

@@ -323,6 +323,8 @@ def _set_policy(layer, policy_name, rule):
     changed = layer.built and _convert_own_variables(layer, previous, policy.variable_dtype)
     if quantizes:
         layer.dtype_policy = policy
+        if float8.is_float8(layer):
+            float8.start_scales_from_weights(layer)
     return changed or quantizes
 
 

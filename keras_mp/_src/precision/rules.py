@@ -27,6 +27,7 @@ from keras_mp._src.precision.conditions import Place  # noqa: F401
 from keras_mp._src.precision.conditions import attention_needs_float32_here
 from keras_mp._src.precision.conditions import computes
 from keras_mp._src.precision.conditions import denied
+from keras_mp._src.precision.conditions import frozen
 from keras_mp._src.precision.conditions import in_float8
 from keras_mp._src.precision.conditions import in_float16_at
 from keras_mp._src.precision.conditions import inside_allowed
@@ -106,6 +107,13 @@ def _fp8_in_bfloat16(condition, reason):
 
 
 FLOAT8_RULES = (
+    # Keras's float8 layers move their scales only through the optimizer: a
+    # frozen one would compute with scales stuck where they started.
+    Rule(
+        _FP8 + (frozen,),
+        LEVEL_HALF,
+        "{level} float8: frozen (FP8 scales move only in training), bfloat16",
+    ),
     _fp8_in_bfloat16(is_head, "output layer in bfloat16 (allow= for FP8)"),
     _fp8_in_bfloat16(is_first, "first layer in bfloat16 (allow= for FP8)"),
     _fp8_in_bfloat16(layer_is(float8.misaligned), "{misaligned} not a multiple of 16, bfloat16"),
