@@ -16,6 +16,16 @@ saves, loads and shards (a `float8_e4m3fn` variable does not round-trip a
 `.keras` file on every backend). The codes are E4M3's bit patterns:
 sign, 4 exponent bits (bias 7), 3 mantissa bits.
 
+Each write rounds stochastically (`stochastic_round`): up or down to the
+format's neighbours with the probabilities that make the expected stored
+value the float32 one. Rounded to nearest, a moment whose step changes it
+by less than half its format's spacing never moves: bfloat16's second
+moment at beta_2 = 0.999 (0.1% a step against a half spacing of 0.39%) kept
+its first value for thousands of steps, and an E4M3 first moment stayed put
+while its gradient drifted slowly. The dither is a hash of the element's
+index, the tensor and the step, not a random generator: no state, and a
+resumed run repeats the same roundings bit for bit.
+
 A float16 second moment flushes to zero the entries more than about 2**39
 below its tensor's largest (a squared gradient 2**19.5 below the largest
 gradient); the update of such an entry is computed from this step's
@@ -23,6 +33,7 @@ float32 value, as every entry's is.
 """
 
 import contextlib
+import math
 
 import keras
 import ml_dtypes
@@ -151,8 +162,9 @@ class LowPrecisionMoments:
             value = ops.cast(moment, "float32")
         return value if scale is None else ops.multiply(value, scale)
 
-    def write(self, moment, value):
-        """Writes a float32 value, rounded to the moment's format."""
+    def write(self, moment, value, salt=0):
+        """Writes a float32 value, rounded stochastically to the moment's
+        format (`salt`: which of a variable's moments, for the dither)."""
         scale = self.scales.get(id(moment))
         dtype = keras.backend.standardize_dtype(moment.dtype)
         if scale is not None:
@@ -161,10 +173,15 @@ class LowPrecisionMoments:
             new_scale = ops.where(amax > 0, ops.divide(amax, top), ops.ones_like(amax))
             self.optimizer.assign(scale, new_scale)
             value = ops.divide(value, new_scale)
+        if dtype == "float32":
+            self.optimizer.assign(moment, value)
+            return
+        seed = ops.add(ops.multiply(ops.cast(self.optimizer.iterations, "int32"), 4), salt)
+        rounded = stochastic_round(value, dtype, seed)
         if dtype == "uint8":
-            self.optimizer.assign(moment, _e4m3_codes(value))
+            self.optimizer.assign(moment, _e4m3_codes(rounded))
         else:
-            self.optimizer.assign(moment, ops.cast(value, dtype))
+            self.optimizer.assign(moment, ops.cast(rounded, dtype))
 
     def _install(self):
         optimizer = self.optimizer
@@ -189,12 +206,13 @@ class LowPrecisionMoments:
             v_new = ops.add(
                 v_old, ops.multiply(ops.subtract(ops.square(gradient), v_old), 1 - optimizer.beta_2)
             )
-            self.write(m, m_new)
-            self.write(v, v_new)
+            salt = ops.multiply(index, 65537)  # each variable's moments dithered apart
+            self.write(m, m_new, salt)
+            self.write(v, v_new, ops.add(salt, 1))
             if optimizer.amsgrad:
                 v_hat = optimizer._velocity_hats[index]
                 v_new = ops.maximum(self.read(v_hat), v_new)
-                self.write(v_hat, v_new)
+                self.write(v_hat, v_new, ops.add(salt, 2))
             update = ops.divide(
                 ops.multiply(m_new, alpha), ops.add(ops.sqrt(v_new), optimizer.epsilon)
             )
@@ -217,3 +235,56 @@ def _e4m3_codes(x):
     code = ops.where(magnitude >= 2.0**-6, normal, subnormal)
     code = ops.where(x < 0, ops.add(code, 128), code)
     return ops.cast(code, "uint8")
+
+
+# Mantissa bits each format keeps (float32 keeps 23), and the exponent of
+# its smallest normal number (below it, fixed spacing: subnormals; None for
+# bfloat16, whose exponents are float32's: XLA flushes float32's subnormals).
+_FORMATS = {"bfloat16": (7, None), "float16": (10, -14), "uint8": (3, -6)}
+
+
+def stochastic_round(x, dtype, seed):
+    """float32 `x` rounded to `dtype`'s values (`"uint8"`: E4M3's), up or down
+    with the probabilities that make the expected result `x`; still float32.
+
+    The float32 bits below the format's mantissa are dropped after adding a
+    dither (an integer below their weight), so the carry rounds up with the
+    probability of the dropped fraction; below the smallest normal number the
+    same is done on the subnormal grid. The dither hashes each element's
+    index with `seed` (an int32 tensor: the step and which moment).
+    """
+    kept, min_exponent = _FORMATS[dtype]
+    dropped = 23 - kept
+    if dtype == "uint8":
+        x = ops.clip(x, -_E4M3_MAX, _E4M3_MAX)
+    dither = _hash(ops.reshape(ops.arange(math.prod(x.shape) or 1, dtype="int32"), (-1,)), seed)
+    dither = ops.reshape(dither[: math.prod(x.shape)], x.shape)
+    magnitude = ops.abs(x)
+    bits = ops.view(magnitude, "int32")
+    low = ops.bitwise_and(dither, (1 << dropped) - 1)
+    truncated = ops.bitwise_and(ops.add(bits, low), ~((1 << dropped) - 1))
+    rounded = ops.view(truncated, "float32")
+    if min_exponent is not None:
+        # Subnormals: multiples of 2**(min_exponent - kept).
+        spacing = 2.0 ** (min_exponent - kept)
+        fraction = ops.divide(ops.cast(ops.bitwise_and(dither, (1 << 23) - 1), "float32"), 2.0**23)
+        steps = ops.floor(ops.add(ops.divide(magnitude, spacing), fraction))
+        rounded = ops.where(magnitude < 2.0**min_exponent, ops.multiply(steps, spacing), rounded)
+    if dtype == "uint8":  # a carry past E4M3's largest value would be NaN's code
+        rounded = ops.minimum(rounded, _E4M3_MAX)
+    return ops.where(x < 0, ops.negative(rounded), rounded)
+
+
+def _shift_right(h, bits):
+    """Logical right shift of int32 `h` (arithmetic shift, sign bits masked)."""
+    return ops.bitwise_and(ops.right_shift(h, bits), (1 << (32 - bits)) - 1)
+
+
+def _hash(index, seed):
+    """A well-mixed int32 per element of `index` (int32) and `seed` (lowbias32)."""
+    h = ops.bitwise_xor(ops.multiply(index, 0x27D4EB2D), ops.multiply(seed, 0x165667B1))
+    h = ops.bitwise_xor(h, _shift_right(h, 16))
+    h = ops.multiply(h, 0x21F0AAAD)
+    h = ops.bitwise_xor(h, _shift_right(h, 15))
+    h = ops.multiply(h, 0x735A2D97)
+    return ops.bitwise_xor(h, _shift_right(h, 15))
