@@ -36,6 +36,15 @@ class Account:
     cast_bytes: int = 0
     moved: int = 0  # bytes its calls read and write, forward and backward
     kept: int = 0  # bytes of its outputs kept for the backward pass
+    # Matmuls a step per forward one: the forward, its weights' gradient and
+    # its inputs' gradient; a first layer's inputs (the model's, which train
+    # nothing) get no gradient, so 2 there.
+    passes: int = 3
+
+    @property
+    def step_flops(self):
+        """Its matmul FLOPs in a train step, forward and backward."""
+        return self.passes * self.flops
 
 
 def slots_of(model):
@@ -66,10 +75,12 @@ def accounts_at(model, calls, amp):
     }
     produced = {}  # tensor id -> the dtype it has at `amp`
     accounts = {}
+    first = float8.first_layers(model)
     for call in calls:
         layer = call.layer
         dtype = compute.get(id(layer), "float32")
         entry = accounts.setdefault(id(layer), Account(layer, dtype, reasons.get(id(layer), "")))
+        entry.passes = 2 if id(layer) in first else 3
         work = speed_trace.work(call)
         entry.flops += work.flops
         entry.dims = list(work.dims)
@@ -196,7 +207,7 @@ def memory(model, amp, slots, replicas, shard, accounts, moment_dtypes=None):
 def layer_seconds(account, peaks, tf32):
     aligned = not speed_trace.misaligned(account.dims)
     rate = peaks.matmul_rate(account.matmul or account.dtype, tf32=tf32, aligned=aligned)
-    return max(3 * account.flops / rate, account.moved / peaks.bandwidth)
+    return max(account.step_flops / rate, account.moved / peaks.bandwidth)
 
 
 def step_seconds(accounts, bytes_, peaks, tf32):

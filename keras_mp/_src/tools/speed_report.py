@@ -143,10 +143,10 @@ def speed_report(
 
 
 def _summary(level, dtype, peaks, accounts, memory, times, launches, launch_s, replicas):
-    flops = sum(a.flops for a in accounts.values())
-    half = sum(a.flops for a in accounts.values() if a.dtype in HALF_DTYPES)
+    flops = sum(a.step_flops for a in accounts.values())
+    half = sum(a.step_flops for a in accounts.values() if a.dtype in HALF_DTYPES)
     share = half / flops if flops else 0.0
-    fp8 = sum(a.flops for a in accounts.values() if a.matmul == FLOAT8)
+    fp8 = sum(a.step_flops for a in accounts.values() if a.matmul == FLOAT8)
     fp8_share = fp8 / flops if flops else 0.0
     in_fp8 = ""
     if fp8:
@@ -174,7 +174,7 @@ def _summary(level, dtype, peaks, accounts, memory, times, launches, launch_s, r
         "level": level,
         "dtype": dtype,
         "gpu": peaks.name,
-        "flops_per_step": 3 * flops,
+        "flops_per_step": flops,
         "half_flop_share": share,
         "float8_flop_share": fp8_share,
         "bytes": memory,
@@ -208,8 +208,8 @@ def _advice(accounts, peaks, step, launch_s, dtype):
         kind = type(a.layer).__name__
         bad = speed_trace.misaligned(a.dims)
         if bad and a.dtype in HALF_DTYPES and a.flops:
-            now = 3 * a.flops / peaks.matmul_rate(a.dtype, aligned=False)
-            padded = 3 * a.flops / peaks.matmul_rate(a.dtype)
+            now = a.step_flops / peaks.matmul_rate(a.dtype, aligned=False)
+            padded = a.step_flops / peaks.matmul_rate(a.dtype)
             what = ", ".join(f"{k}={v} -> {-(-v // 8) * 8}" for k, v in bad)
             add(
                 ("pad", kind, what),
@@ -218,10 +218,8 @@ def _advice(accounts, peaks, step, launch_s, dtype):
                 f"pad {what} ({kind}): tensor cores need multiples of 8",
             )
         if a.dtype == "float32" and a.flops:
-            in_half = (
-                3
-                * a.flops
-                * (1 / peaks.matmul_rate("float32", tf32=True) - 1 / peaks.matmul_rate(dtype))
+            in_half = a.step_flops * (
+                1 / peaks.matmul_rate("float32", tf32=True) - 1 / peaks.matmul_rate(dtype)
             )
             if any(t in a.reason for t in _LIFTABLE):
                 add(
@@ -309,7 +307,7 @@ def _row(a):
         "layer": _name(a.layer),
         "class": type(a.layer).__name__,
         "dtype": a.matmul or a.dtype,
-        "flops": 3 * a.flops,
+        "flops": a.step_flops,
         "tensor_cores": cores,
         "casts": a.casts,
         "cast_bytes": a.cast_bytes,
