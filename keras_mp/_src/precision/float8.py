@@ -18,6 +18,7 @@ were, as it leaves the weights.
 
 import dataclasses
 import math
+import warnings
 
 import keras
 import numpy as np
@@ -173,6 +174,20 @@ def start_scales_from_weights(layer):
 
 
 E4M3_MAX = 448.0
+
+
+_WARNED = []
+
+
+def warn_once_where_nothing_computes_fp8():
+    """`amp_dtype="float8"` where no FP8 matmul runs: said once a process."""
+    from keras_mp._src.precision.auto_level import float8_gemms_absent
+
+    reason = float8_gemms_absent()
+    if reason is not None and not _WARNED:
+        _WARNED.append(reason)
+        warnings.warn(f"keras_mp: amp_dtype='float8': {reason}.", stacklevel=4)
+    return reason
 
 
 def _weighs_inputs(layer):

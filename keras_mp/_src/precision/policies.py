@@ -156,6 +156,8 @@ def apply(model, amp):
     probabilities.set_probabilities(layers)
     _annotate_returns(boundaries.set_boundaries(model, outputs, entry_dtype), layers)
     mark_policies(layers, needs_keras_mp)
+    if amp.float8 is not None:
+        float8.warn_once_where_nothing_computes_fp8()
     mark_amp_model(model)
     set_layer_lists(model, amp.allow, amp.deny)
     return model

@@ -53,6 +53,12 @@ def precision_summary(model, print_fn=None):
     headers = ("Layer", "Class", "Compute", "Variables", "Rule")
     cells = [[str(r[c]) for c in columns] for r in rows]
     lines = table.render(headers, cells, width=None)
+    if any(r["policy"].startswith("float8_from_") for r in rows):
+        from keras_mp._src.precision.auto_level import float8_gemms_absent
+
+        absent = float8_gemms_absent()
+        if absent is not None:
+            lines += ["", f"FP8: {absent}."]
     optimizers = _optimizer_rows(model)
     if optimizers:
         lines += [""] + table.render(
