@@ -107,3 +107,29 @@ def test_fit_wraps_the_bare_optimizer_of_a_model_made_half_after_compile(capsys)
     plain.compile(optimizer=sgd, loss="sparse_categorical_crossentropy")
     plain.fit(x, y, epochs=1, verbose=0)
     assert plain.optimizer is sgd
+
+
+def test_an_fp8_checkpoint_loaded_before_compile_names_the_order_that_works(tmp_path):
+    """Issue 63.8: building a model, `load_weights` from an FP8 checkpoint,
+    then `compile(amp_dtype="float8")` failed with Keras's "A total of 1
+    objects could not be loaded"; the error now says to compile first, and
+    that order loads the weights exactly."""
+
+    def model():
+        keras.utils.set_random_seed(0)
+        return keras.Sequential(
+            [keras.Input((16,))] + [keras.layers.Dense(16, name=f"d{i}") for i in range(3)]
+        )
+
+    x = np.random.default_rng(0).normal(size=(32, 16)).astype("float32")
+    trained = model()
+    trained.compile(optimizer="adam", loss="mse", amp_level="O2", amp_dtype="float8")
+    trained.fit(x, x, epochs=1, verbose=0)
+    path = str(tmp_path / "fp8.weights.h5")
+    trained.save_weights(path)
+    with pytest.raises(ValueError, match="compile.*amp_dtype='float8'.*then"):
+        model().load_weights(path)
+    resumed = model()
+    resumed.compile(optimizer="adam", loss="mse", amp_level="O2", amp_dtype="float8")
+    resumed.load_weights(path)
+    np.testing.assert_array_equal(resumed.predict(x, verbose=0), trained.predict(x, verbose=0))

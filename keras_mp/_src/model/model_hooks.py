@@ -9,6 +9,7 @@ Installed by `compile.install`.
 """
 
 import functools
+import re
 
 import keras
 
@@ -62,11 +63,50 @@ def _with_optimizers_prepared(method):
     return prepared
 
 
+# Keras's float8 Dense and EinsumDense hold 6 variables beside their kernel
+# and bias: 3 scales and 3 amax histories.
+_FLOAT8_EXTRA_VARIABLES = 6
+_EXPECTED_VARIABLES = re.compile(r"expected (\d+) variables, but received (\d+) variables")
+
+
+def _with_float8_order_named(method):
+    """`load_weights` that names the order that works when a model whose
+    layers are not FP8 yet is given an FP8 checkpoint (saved at
+    `amp_dtype="float8"`): Keras's own error counts variables only."""
+
+    @functools.wraps(method)
+    def load_weights(self, *args, **kwargs):
+        try:
+            return method(self, *args, **kwargs)
+        except ValueError as error:
+            counts = _EXPECTED_VARIABLES.search(str(error))
+            if counts is None:
+                raise
+            expected, received = map(int, counts.groups())
+            if received - expected != _FLOAT8_EXTRA_VARIABLES:
+                raise
+            raise ValueError(
+                f"{error}\n\nkeras_mp: these weights were saved from FP8 layers "
+                "(`amp_dtype='float8'`: each Dense holds 3 scales and 3 amax "
+                "histories beside its kernel and bias). Compile the model at the "
+                "level it was saved at first, then load: "
+                "`model.compile(..., amp_level='O2', amp_dtype='float8')`, then "
+                "`model.load_weights(path)` (a `.keras` file needs only "
+                "`keras.models.load_model(path)`)."
+            ) from error
+
+    load_weights._keras_mp_float8_order = True
+    return load_weights
+
+
 def install_preparation():
     for name in ("fit", "train_on_batch", "load_weights"):
         owner = next(c for c in keras.Model.__mro__ if name in c.__dict__)
         if not getattr(owner.__dict__[name], "_keras_mp_prepared", False):
             setattr(owner, name, _with_optimizers_prepared(owner.__dict__[name]))
+    owner = next(c for c in keras.Model.__mro__ if "load_weights" in c.__dict__)
+    if not getattr(owner.__dict__["load_weights"], "_keras_mp_float8_order", False):
+        owner.load_weights = _with_float8_order_named(owner.__dict__["load_weights"])
 
 
 def install():
