@@ -289,3 +289,33 @@ def test_an_unknown_format_is_refused_by_name(tmp_path, format):
     model, _ = _trained("mlp", "O2", "float16")
     with pytest.raises(ValueError, match=r"`format` must be one of .*Received: format="):
         keras_mp.export(model, str(tmp_path / "x"), format=format)
+
+
+def test_an_onnx_file_its_runtime_cannot_run_is_an_error_not_a_file(tmp_path):
+    """Issue 63.9: on JAX, a CNN with MaxPooling2D exported to ONNX was
+    written and onnxruntime refused it at run time ("Unsupported pooling
+    size"). Each ONNX export now runs once in onnxruntime: on JAX the export
+    fails, the file removed, naming the backend to export from; on
+    TensorFlow and PyTorch the file runs."""
+    onnxruntime = pytest.importorskip("onnxruntime")
+    model = keras.Sequential(
+        [
+            keras.Input((8, 8, 1)),
+            keras.layers.Conv2D(4, 3),
+            keras.layers.MaxPooling2D(),
+            keras.layers.Flatten(),
+            keras.layers.Dense(3),
+        ]
+    )
+    model.compile(optimizer="adam", loss="mse", amp_level="O3", amp_dtype="bfloat16")
+    model(np.zeros((2, 8, 8, 1), "float32"))
+    path = tmp_path / "cnn.onnx"
+    if keras.backend.backend() == "jax":
+        with pytest.raises(ValueError, match="onnxruntime cannot run.*KERAS_BACKEND=tensorflow"):
+            model.export(path, format="onnx", verbose=False)
+        assert not path.exists()
+        return
+    model.export(path, format="onnx", verbose=False)
+    session = onnxruntime.InferenceSession(str(path))
+    feed = {session.get_inputs()[0].name: np.zeros((2, 8, 8, 1), "float32")}
+    assert session.run(None, feed)[0].shape == (2, 3)

@@ -77,11 +77,13 @@ def check_servable(dtype, format):
 
 def write(model, filepath, format, verbose, input_signature, kwargs):
     """`model` exported as it is, by Keras (OpenVINO through ONNX where
-    Keras's own path fails: `backends.common.OPENVINO_THROUGH_ONNX`)."""
+    Keras's own path fails: `backends.common.OPENVINO_THROUGH_ONNX`); an
+    ONNX file is run once by onnxruntime, where it is installed, so that a
+    file its runtime cannot run is an error here, not a file."""
     with _quiet_tensorflow_logs(verbose is False):
         if format == "openvino" and backends.current.OPENVINO_THROUGH_ONNX:
             return _openvino_through_onnx(model, filepath, verbose, input_signature, kwargs)
-        return keras_export(
+        result = keras_export(
             model,
             filepath,
             format=format,
@@ -89,6 +91,44 @@ def write(model, filepath, format, verbose, input_signature, kwargs):
             input_signature=input_signature,
             **kwargs,
         )
+    if format == "onnx":
+        check_onnx_runs(filepath)
+    return result
+
+
+def check_onnx_runs(filepath):
+    """Runs the ONNX file once in onnxruntime (zeros, batch 1); where it
+    fails, removes the file and says what to do. Skipped without
+    onnxruntime."""
+    try:
+        import numpy as np
+        import onnxruntime
+    except ImportError:
+        return
+    feeds = None
+    try:
+        session = onnxruntime.InferenceSession(str(filepath), providers=["CPUExecutionProvider"])
+        feeds = {
+            i.name: np.zeros(
+                [d if isinstance(d, int) and d > 0 else 1 for d in i.shape],
+                _ONNX_TYPES.get(i.type, "float32"),
+            )
+            for i in session.get_inputs()
+        }
+        session.run(None, feeds)
+    except Exception as error:  # noqa: BLE001 (onnxruntime's own errors)
+        os.remove(filepath)
+        raise ValueError(
+            f"keras_mp: onnxruntime cannot run the ONNX file {backends.current.NAME}'s "
+            f"exporter wrote ({str(error).splitlines()[0][:300]}); it was removed. "
+            "Export from another backend: `model.save('model.keras')`, then in a "
+            "process with KERAS_BACKEND=tensorflow (or torch), "
+            "`keras.models.load_model('model.keras').export(path, format='onnx')`."
+        ) from error
+
+
+_ONNX_TYPES = {"tensor(int64)": "int64", "tensor(int32)": "int32", "tensor(bool)": "bool"}
+_ONNX_TYPES.update({"tensor(float16)": "float16", "tensor(double)": "float64"})
 
 
 def _openvino_through_onnx(model, filepath, verbose, input_signature, kwargs):
