@@ -125,6 +125,12 @@ def output_operations(model):
     ]
 
 
+def output_structure(model):
+    """A functional model's outputs as it was given them (a dict keeps its
+    keys), or None for a model that has none known."""
+    return getattr(model, "_outputs_struct", None)
+
+
 def consumed_operations(model):
     """Ids of a functional model's operations whose outputs another of its
     operations takes in (an intermediate output of a feature extractor)."""

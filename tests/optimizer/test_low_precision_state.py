@@ -266,3 +266,24 @@ def test_every_moment_format_follows_float32_adam_over_thousands_of_steps(moment
     want = _adam_run(None, gradients)
     got = _adam_run(moment_dtypes, gradients)
     assert abs(got - want) <= 0.02 * abs(want), (got, want)
+
+
+def test_stochastic_rounding_keeps_nan_inf_signs_and_its_grid():
+    """NaN stays NaN (a payload's carry made it -0), the sign of a negative
+    float32 subnormal is kept (XLA flushes it in `x < 0`), infinities stay,
+    and every value lands on its format's grid."""
+    from keras_mp._src.optimizer import low_precision_state as lp
+
+    x = np.array(
+        [np.nan, -3e-39, -1.5, 0.3, np.inf, -np.inf, 0.0, 1e-3],
+        "float32",
+    )
+    x[0] = np.frombuffer(np.uint32(0x7FFFFFFF).tobytes(), "float32")[0]
+    seed = keras.ops.convert_to_tensor(7, "int32")
+    for dtype in ("bfloat16", "float16", "uint8"):
+        got = np.asarray(keras.ops.convert_to_numpy(lp.stochastic_round(x, dtype, seed)))
+        assert np.isnan(got[0]), (dtype, got)
+        assert np.signbit(got[1]) and got[2] < 0, (dtype, got)
+        assert got[6] == 0.0
+        if dtype != "uint8":
+            assert got[4] == np.inf and got[5] == -np.inf, (dtype, got)

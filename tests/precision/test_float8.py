@@ -498,3 +498,18 @@ def test_training_at_o2_float8_follows_o2_bfloat16(family):
     ), kinds
     assert bf16[-1] < (1 - 2 * E4M3_ROUNDOFF) * bf16[0], bf16  # the band can be left
     assert np.all(np.abs(fp8 - bf16) <= E4M3_ROUNDOFF * bf16), (fp8, bf16)
+
+
+def test_a_layer_frozen_after_fp8_training_says_its_scales_are_fixed():
+    """Keras cannot undo a quantization: a layer trained in FP8 and frozen
+    since stays FP8 on the next compile, and says that its scales stay where
+    training left them (review of issue 63)."""
+    model = _mlp()
+    model.compile(optimizer="adam", loss=_loss(), amp_level="O2", amp_dtype="float8")
+    x, y = _digits(16)
+    model.fit(x, y, epochs=1, verbose=0)
+    model.get_layer("middle").trainable = False
+    model.compile(optimizer="adam", loss=_loss(), amp_level="O2", amp_dtype="float8")
+    assert _rules(model)["middle"] == (
+        "O2 float8: frozen after FP8 training, its scales fixed where training left them"
+    )

@@ -113,3 +113,62 @@ def test_loss_names():
     assert output_losses.loss_name(keras.losses.Huber()) == "huber"
     assert output_losses.loss_name(keras.losses.BinaryCrossentropy()) == "binary_crossentropy"
     assert output_losses.describe(None) == "no loss keras_mp knows"
+
+
+def _compiled_heads(model, loss):
+    model.compile(optimizer="adam", loss=loss, amp_level="O2")
+    return {
+        layer.name: layer.compute_dtype
+        for layer in model._flatten_layers(include_self=False, recursive=True)
+        if isinstance(layer, L.Dense)
+    }
+
+
+def test_the_head_is_found_in_every_shape_users_write():
+    """Review of issue 63: a subclassed model whose head is made before its
+    body (the order of calls decides, not of attributes); a Sequential whose
+    last layer is a nested Sequential; a regression output that another head
+    also reads; dict outputs keyed by their own keys."""
+
+    class Net(keras.Model):
+        def __init__(self):
+            super().__init__()
+            self.head = L.Dense(1, name="sub_head")
+            self.body = L.Dense(8, name="sub_body")
+
+        def call(self, x):
+            return self.head(self.body(x))
+
+    net = Net()
+    net(np.zeros((2, 4), "float32"))
+    assert _compiled_heads(net, "mse") == {"sub_head": "float32", "sub_body": "float16"}
+
+    nested = keras.Sequential(
+        [
+            keras.Input((4,)),
+            L.Dense(8, name="seq_body"),
+            keras.Sequential([L.Dense(8, name="seq_h"), L.Dense(1, name="seq_reg")]),
+        ]
+    )
+    heads = _compiled_heads(nested, "mse")
+    assert heads["seq_reg"] == "float32" and heads["seq_body"] == "float16"
+
+    inputs = keras.Input((4,))
+    price = L.Dense(1, name="price")(inputs)
+    cls = L.Dense(3, name="cls")(L.Concatenate()([inputs, price]))
+    shared = keras.Model(inputs, [price, cls])
+    ce = keras.losses.SparseCategoricalCrossentropy(from_logits=True)
+    assert _compiled_heads(shared, ["mse", ce]) == {"price": "float32", "cls": "float16"}
+
+    inputs = keras.Input((4,))
+    body = L.Dense(8, name="dict_body")(inputs)
+    outputs = {
+        "logits": L.Dense(3, name="dict_cls")(body),
+        "value": L.Dense(1, name="dict_reg")(body),
+    }
+    keyed = keras.Model(inputs, outputs)
+    assert _compiled_heads(keyed, {"logits": ce, "value": "mse"}) == {
+        "dict_body": "float16",
+        "dict_cls": "float16",
+        "dict_reg": "float32",
+    }

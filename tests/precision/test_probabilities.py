@@ -157,3 +157,53 @@ def test_data_movement_passes_on_the_dtype_it_receives():
     )
     got = probe(np.ones((1, 2, 2), "float32"))
     assert [keras.backend.standardize_dtype(t.dtype) for t in got] == ["float16", "float32"]
+
+
+def test_recurrent_layers_keep_their_sigmoid_as_they_compute_it():
+    """A recurrent layer's `activation` is its cell's (a read-only property),
+    and a cell's feeds the state it carries in its own dtype: both are left
+    as they are (review of issue 63: `compile` failed, or the scan's carry
+    changed dtype)."""
+    for make in (
+        lambda: L.SimpleRNN(8, activation="sigmoid"),
+        lambda: L.GRU(8, activation="sigmoid"),
+        lambda: L.LSTM(8, activation="sigmoid"),
+        lambda: L.RNN(L.SimpleRNNCell(8, activation="sigmoid")),
+    ):
+        inputs = keras.Input((5, 4))
+        model = keras.Model(inputs, L.Dense(3)(make()(inputs)))
+        model.compile(
+            optimizer="adam",
+            loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+            amp_level="O2",
+            amp_dtype="bfloat16",
+        )
+        x = np.random.default_rng(0).random((8, 5, 4)).astype("float32")
+        history = model.fit(x, np.arange(8) % 3, epochs=1, verbose=0)
+        assert np.isfinite(history.history["loss"]).all()
+
+
+def test_a_gate_inside_your_block_gets_its_own_dtype():
+    """`value(x) * gate(x)` with a sigmoid gate, in a block of the user's at
+    O2 bfloat16: the gate's float32 probabilities come back in the block's
+    dtype (TensorFlow's raw `*` does not promote)."""
+
+    class Gated(L.Layer):
+        def __init__(self, **kwargs):
+            super().__init__(**kwargs)
+            self.value = L.Dense(8)
+            self.gate = L.Dense(8, activation="sigmoid")
+
+        def call(self, x):
+            return self.value(x) * self.gate(x)
+
+    inputs = keras.Input((4,))
+    model = keras.Model(inputs, L.Dense(3)(Gated()(inputs)))
+    model.compile(
+        optimizer="adam",
+        loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+        amp_level="O2",
+        amp_dtype="bfloat16",
+    )
+    x = np.random.default_rng(0).random((8, 4)).astype("float32")
+    assert np.isfinite(model.fit(x, np.arange(8) % 3, epochs=1, verbose=0).history["loss"]).all()

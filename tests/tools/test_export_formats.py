@@ -319,3 +319,21 @@ def test_an_onnx_file_its_runtime_cannot_run_is_an_error_not_a_file(tmp_path):
     session = onnxruntime.InferenceSession(str(path))
     feed = {session.get_inputs()[0].name: np.zeros((2, 8, 8, 1), "float32")}
     assert session.run(None, feed)[0].shape == (2, 3)
+
+
+def test_the_onnx_check_feeds_each_input_its_own_type(tmp_path):
+    """A model taking uint8 pixels (a `Rescaling` first): onnxruntime runs
+    the file with uint8 zeros, and the export keeps it (review of issue 63:
+    float32 zeros were fed, refused, and the file removed)."""
+    onnxruntime = pytest.importorskip("onnxruntime")
+    if keras.backend.backend() == "jax":
+        pytest.skip("jax2onnx keeps Keras's float32 input")
+    inputs = keras.Input((4,), dtype="uint8")
+    x = keras.layers.Rescaling(1 / 255)(inputs)
+    model = keras.Model(inputs, keras.layers.Dense(3)(x))
+    model.compile(optimizer="adam", loss="mse", amp_level="O2", amp_dtype="float16")
+    model(np.zeros((2, 4), "uint8"))
+    path = tmp_path / "pixels.onnx"
+    model.export(path, format="onnx", verbose=False)
+    session = onnxruntime.InferenceSession(str(path))
+    assert session.get_inputs()[0].type == "tensor(uint8)"

@@ -259,8 +259,9 @@ def stochastic_round(x, dtype, seed):
         x = ops.clip(x, -_E4M3_MAX, _E4M3_MAX)
     dither = _hash(ops.reshape(ops.arange(math.prod(x.shape) or 1, dtype="int32"), (-1,)), seed)
     dither = ops.reshape(dither[: math.prod(x.shape)], x.shape)
+    negative = ops.view(x, "int32") < 0  # the sign bit (XLA flushes subnormals in `x < 0`)
     magnitude = ops.abs(x)
-    bits = ops.view(magnitude, "int32")
+    bits = ops.minimum(ops.view(magnitude, "int32"), 0x7F800000)  # NaN's payloads: no carry
     low = ops.bitwise_and(dither, (1 << dropped) - 1)
     truncated = ops.bitwise_and(ops.add(bits, low), ~((1 << dropped) - 1))
     rounded = ops.view(truncated, "float32")
@@ -272,7 +273,8 @@ def stochastic_round(x, dtype, seed):
         rounded = ops.where(magnitude < 2.0**min_exponent, ops.multiply(steps, spacing), rounded)
     if dtype == "uint8":  # a carry past E4M3's largest value would be NaN's code
         rounded = ops.minimum(rounded, _E4M3_MAX)
-    return ops.where(x < 0, ops.negative(rounded), rounded)
+    rounded = ops.where(negative, ops.negative(rounded), rounded)
+    return ops.where(ops.isnan(x), x, rounded)  # a NaN moment stays NaN
 
 
 def _shift_right(h, bits):

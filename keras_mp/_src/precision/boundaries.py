@@ -216,10 +216,14 @@ def set_boundaries(model, outputs=None, entry_dtype=None):
         held = parent is model and layer_tree.is_subclassed(model)
         object.__setattr__(layer, _OUTSIDE_DTYPE_ATTRIBUTE, "float32" if held else None)
         if caller_dtype is not None and computes_in_float32(layer):
-            # Its probabilities reach its caller in float32 (a cast to half
-            # would round the small ones to 0), as torch.autocast's softmax.
-            set_boundary_casts(layer, output_dtype="float32")
-            returns.append((layer, "float32", parent))
+            # Its float32 probabilities reach a subclassed model's `call`, on
+            # their way to its outputs, in float32 (a cast to half would round
+            # the small ones to 0), as torch.autocast's softmax; a composite
+            # layer's own arithmetic on them (a gate, `x * sigmoid(g)`) gets
+            # them in its own dtype: TensorFlow's raw ops do not promote.
+            target = "float32" if held else caller_dtype
+            set_boundary_casts(layer, output_dtype=target)
+            returns.append((layer, target, parent))
         elif caller_dtype is not None and (
             layer.compute_dtype != caller_dtype or layer_tree.is_container(layer) or held
         ):

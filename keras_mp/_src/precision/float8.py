@@ -201,15 +201,11 @@ def first_layers(model):
     """Ids of the layers that take the model's raw inputs: the first layer
     with weights on each path from an input (looking inside nested models).
     Transformer Engine's recipes keep them, as the output layer, out of FP8.
-    A subclassed model's order of calls is unknown: its first such layer
-    in the order it holds them."""
+    In a subclassed model, the first such layer its `call` runs
+    (`weighted_in_call_order`)."""
     first = set()
     if layer_tree.is_subclassed(model):
-        for layer in layer_tree.layers_in_order(model)[1:]:
-            if not layer_tree.is_container(layer) and _weighs_inputs(layer):
-                first.add(id(layer))
-                break
-        return first
+        return {id(layer) for layer in weighted_in_call_order(model)[:1]}
     if isinstance(model, keras.Sequential):
         operations = [(layer, []) for layer in model.layers]
         for i in range(1, len(operations)):
@@ -232,6 +228,35 @@ def first_layers(model):
     return first
 
 
+def weighted_in_call_order(model):
+    """A subclassed model's layers with weights of their own, in the order
+    its `call` first runs them: traced symbolically on the shape it was
+    built on; in the order it holds them where that cannot be told (an
+    unbuilt model, several inputs)."""
+    held = [
+        layer
+        for layer in layer_tree.layers_in_order(model)[1:]
+        if not layer_tree.is_container(layer) and _weighs_inputs(layer)
+    ]
+    shapes = getattr(model, "_build_shapes_dict", None) or {}
+    shape = next(iter(shapes.values()), None) if len(shapes) == 1 else None
+    if not model.built or not isinstance(shape, (tuple, list)):
+        return held
+    from keras_mp._src.tools import speed_trace
+
+    try:
+        x = np.zeros(tuple(1 if d is None else d for d in shape), "float32")
+        calls = speed_trace.trace(model, x)
+    except Exception:  # noqa: BLE001 (a call the symbolic pass cannot run)
+        return held
+    ids = {id(layer) for layer in held}
+    order = []
+    for call in calls:
+        if id(call.layer) in ids and call.layer not in order:
+            order.append(call.layer)
+    return order + [layer for layer in held if layer not in order]
+
+
 def head_layers(model, outputs):
     """`{id(layer): (output layer, bounded)}` for the layers that make each
     of the model's outputs: the output layer and, walking back from it
@@ -239,8 +264,8 @@ def head_layers(model, outputs):
     pooling), the first layer with weights on each path (looking inside
     nested models), the head whose matmul makes the output. `bounded`: a
     bounded activation (softmax, sigmoid, tanh) at or after the layer on
-    its path keeps the output in range. A subclassed model's order of calls
-    is unknown: the last such layer it holds."""
+    its path keeps the output in range. In a subclassed model, the last
+    such layer its `call` runs (`weighted_in_call_order`)."""
     heads = {}
 
     def add(layer, output, bounded):
@@ -251,35 +276,37 @@ def head_layers(model, outputs):
     for output in outputs:
         bounded = add(output, output, False)
         if layer_tree.is_subclassed(output):
-            weighted = [
-                layer
-                for layer in layer_tree.layers_in_order(output)[1:]
-                if not layer_tree.is_container(layer) and _weighs_inputs(layer)
-            ]
-            for layer in weighted[-1:]:
+            for layer in weighted_in_call_order(output)[-1:]:
                 add(layer, output, bounded)
-    if isinstance(model, keras.Sequential):
-        layers = model.layers
-        if layers and id(layers[-1]) in heads and not _weighs_inputs(layers[-1]):
-            bounded = heads[id(layers[-1])][1]
-            for layer in reversed(layers[:-1]):
-                bounded = add(layer, layers[-1], bounded)
-                if _weighs_inputs(layer) or layer_tree.is_container(layer):
-                    break
-        return heads
-    parents = {id(op): ps for op, ps in keras_internals.operations_from_inputs(model)}
+    # Walk back from each output in the model that holds it (a nested
+    # Sequential or functional model's own graph).
+    holder = {id(layer): parent for layer, parent in layer_tree.tree(model)}
+    graphs = {}
     for output in outputs:
-        if _weighs_inputs(output):
+        parent = holder.get(id(output))
+        if _weighs_inputs(output) or parent is None or not layer_tree.is_graph(parent):
             continue
-        stack = [(p, heads[id(output)][1]) for p in parents.get(id(output), ())]
+        if id(parent) not in graphs:
+            graphs[id(parent)] = _predecessors(parent)
+        before = graphs[id(parent)]
+        stack = [(p, heads[id(output)][1]) for p in before.get(id(output), ())]
         while stack:
             layer, bounded = stack.pop()
             if id(layer) in heads or isinstance(layer, keras.layers.InputLayer):
                 continue
             bounded = add(layer, output, bounded)
             if not _weighs_inputs(layer) and not layer_tree.is_container(layer):
-                stack.extend((p, bounded) for p in parents.get(id(layer), ()))
+                stack.extend((p, bounded) for p in before.get(id(layer), ()))
     return heads
+
+
+def _predecessors(graph):
+    """`{id(layer): [the layers whose outputs it takes in]}` in a Sequential
+    or functional model."""
+    if isinstance(graph, keras.Sequential):
+        layers = graph.layers
+        return {id(b): [a] for a, b in zip(layers, layers[1:])}
+    return {id(op): parents for op, parents in keras_internals.operations_from_inputs(graph)}
 
 
 def _bounds_its_outputs(layer):

@@ -15,6 +15,9 @@ float32's range, keeps every head in half (`rules.py`).
 
 import keras
 
+from keras_mp._src import keras_internals
+from keras_mp._src.precision import layer_tree
+
 # Losses that read logits or probabilities (or ±1 margins): their output
 # layer's values are bounded by what the loss trains them to be.
 CROSS_ENTROPIES = frozenset(
@@ -45,28 +48,55 @@ def loss_name(loss):
     return getattr(fn or loss, "__name__", None) or type(loss).__name__
 
 
-def of_outputs(model, outputs, loss):
+def keyed_outputs(model, outputs):
+    """`[(key, layer)]`: the layers that make the model's outputs, in the
+    order of `model.outputs` (those other layers also take in included), a
+    dict output's key beside each (None otherwise). `outputs`: the model's
+    output layers as `layer_tree.output_layers` finds them, used where the
+    model's own outputs are not known (a subclassed model)."""
+    structure = keras_internals.output_structure(model)
+    if isinstance(model, keras.Sequential):
+        last = model.layers[-1:]
+        if last and isinstance(last[0], keras.Model):  # a nested model's outputs
+            return keyed_outputs(last[0], layer_tree.output_layers(last[0]))
+        return [(None, layer) for layer in last]
+    if structure is None:
+        return [(None, layer) for layer in outputs]
+    items = structure.items() if isinstance(structure, dict) else [(None, structure)]
+    keyed = []
+    for key, value in items:
+        for tensor in keras.tree.flatten(value):
+            history = getattr(tensor, "_keras_history", None)
+            if history is None:
+                continue
+            layer = history.operation
+            if isinstance(layer, keras.Model):  # a nested model's outputs
+                keyed += [(key, inner) for _, inner in keyed_outputs(layer, ())]
+            else:
+                keyed.append((key, layer))
+    return keyed
+
+
+def of_outputs(keyed, loss):
     """`{id(output layer): (loss name, whether it is a cross-entropy)}` for
-    the layers in `outputs` whose loss `compile`'s `loss` names (one loss for
-    every output, a list in the model's output order, or a dict by output
-    name); outputs without a loss keras_mp can tell are left out."""
-    if loss is None or not outputs:
+    the layers of `keyed` (`keyed_outputs`) whose loss `compile`'s `loss`
+    names: one loss for every output, a list in the model's output order, or
+    a dict by output key (or layer name); outputs without a loss keras_mp can
+    tell are left out."""
+    if loss is None or not keyed:
         return {}
     if isinstance(loss, dict):
-        names = list(getattr(model, "output_names", None) or ())
-        by_layer = {}
-        for index, layer in enumerate(outputs):
-            key = layer.name if layer.name in loss else None
-            if key is None and index < len(names) and names[index] in loss:
-                key = names[index]
-            if key is not None:
-                by_layer[id(layer)] = loss[key]
-        return {k: _kind(v) for k, v in by_layer.items() if v is not None}
+        found = {}
+        for key, layer in keyed:
+            given = loss.get(key) if key in loss else loss.get(layer.name)
+            if given is not None:
+                found[id(layer)] = _kind(given)
+        return found
     if isinstance(loss, (list, tuple)):
-        if len(loss) != len(outputs):
+        if len(loss) != len(keyed):
             return {}
-        return {id(layer): _kind(v) for layer, v in zip(outputs, loss) if v is not None}
-    return {id(layer): _kind(loss) for layer in outputs}
+        return {id(layer): _kind(v) for (_, layer), v in zip(keyed, loss) if v is not None}
+    return {id(layer): _kind(loss) for _, layer in keyed}
 
 
 def _kind(loss):

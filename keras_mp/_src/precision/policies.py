@@ -175,8 +175,14 @@ def decide_all(model, amp, outputs=None):
     first = float8.first_layers(model) if amp.float8 is not None else set()
     # The loss `compile` was given, or the one a compiled model has.
     loss = amp.loss if amp.loss is not None else getattr(model, "loss", None)
-    losses = output_losses.of_outputs(model, outputs, loss)
-    heads = float8.head_layers(model, outputs)
+    keyed = output_losses.keyed_outputs(model, outputs)
+    losses = output_losses.of_outputs(keyed, loss)
+    # An output other layers also take in (a feature extractor's) is a head
+    # where a loss reads it; the outputs nothing else takes in always are.
+    consumed = keras_internals.consumed_operations(model)
+    heads = float8.head_layers(
+        model, [o for _, o in keyed if id(o) in losses or id(o) not in consumed]
+    )
     allow = ALLOW_LIST + amp.allow
     for layer, parent in layer_tree.tree(model):
         if parent is not None and (

@@ -48,6 +48,15 @@ def computes_in_float32(layer):
     return getattr(getattr(layer, "activation", None), _ORIGINAL, None) is not None
 
 
+def _own_activation(layer):
+    """Whether the layer applies its `activation` to its outputs itself: not
+    a recurrent layer (its `activation` is its cell's, a read-only
+    property) nor a cell (its activation feeds the state it carries)."""
+    if isinstance(getattr(type(layer), "activation", None), property):
+        return False
+    return not hasattr(layer, "state_size")
+
+
 def set_probabilities(layers):
     """For each layer (its policy set): a probability activation in float32
     where it computes in half, the user's own where it computes in float32;
@@ -58,6 +67,8 @@ def set_probabilities(layers):
             object.__setattr__(layer, "_convert_input_args", False)
             continue
         if probability_activation(layer) is None or not callable(layer.activation):
+            continue
+        if not _own_activation(layer):
             continue
         compute = keras.backend.standardize_dtype(layer.compute_dtype)
         wanted = original_activation(layer.activation)

@@ -119,8 +119,17 @@ FLOAT8_RULES = (
     _fp8_in_bfloat16(layer_is(float8.misaligned), "{misaligned} not a multiple of 16, bfloat16"),
     Rule(_FP8, FLOAT8, _FP8_REASON),
 )
-# A layer FP8 already (a model saved at this level, loaded): kept under FP8's reason.
-KEPT_FP8 = (Rule((in_float8, layer_is(float8.is_float8)), KEEP, _FP8_REASON),)
+# A layer FP8 already (a model saved at this level, loaded): kept under
+# FP8's reason; frozen since, it keeps the scales training left it (Keras
+# cannot undo a quantization).
+KEPT_FP8 = (
+    Rule(
+        (in_float8, layer_is(float8.is_float8), frozen),
+        KEEP,
+        "{level} float8: frozen after FP8 training, its scales fixed where training left them",
+    ),
+    Rule((in_float8, layer_is(float8.is_float8)), KEEP, _FP8_REASON),
+)
 
 RULES = KEPT_FP8 + KEPT
 RULES += (
