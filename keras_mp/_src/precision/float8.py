@@ -242,19 +242,12 @@ def weighted_in_call_order(model):
     shape = next(iter(shapes.values()), None) if len(shapes) == 1 else None
     if not model.built or not isinstance(shape, (tuple, list)):
         return held
-    from keras_mp._src.tools import speed_trace
-
-    try:
-        x = np.zeros(tuple(1 if d is None else d for d in shape), "float32")
-        calls = speed_trace.trace(model, x)
-    except Exception:  # noqa: BLE001 (a call the symbolic pass cannot run)
+    order = layer_tree.call_order(model, tuple(1 if d is None else d for d in shape))
+    if order is None:
         return held
     ids = {id(layer) for layer in held}
-    order = []
-    for call in calls:
-        if id(call.layer) in ids and call.layer not in order:
-            order.append(call.layer)
-    return order + [layer for layer in held if layer not in order]
+    ran = [layer for layer in order if id(layer) in ids]
+    return ran + [layer for layer in held if not any(layer is r for r in ran)]
 
 
 def head_layers(model, outputs):

@@ -105,3 +105,33 @@ def output_layers(model):
         else:
             layers.append(operation)
     return tuple(layers)
+
+
+def call_order(model, shape):
+    """The layers inside `model` in the order its `call` first runs them,
+    on inputs of `shape` (traced symbolically: nothing computes), or None
+    where the pass fails. Each layer's `call` is wrapped for the pass only."""
+    order, hooked = [], []
+    for layer in layers_in_order(model)[1:]:
+        if not hasattr(layer, "call"):
+            continue
+        own = layer.__dict__.get("call")
+
+        def noting(*args, _layer=layer, _call=layer.call, **kwargs):
+            if not any(_layer is seen for seen in order):
+                order.append(_layer)
+            return _call(*args, **kwargs)
+
+        hooked.append((layer, own))
+        object.__setattr__(layer, "call", noting)
+    try:
+        keras_internals.compute_output_spec(model, keras.KerasTensor(tuple(shape), "float32"))
+    except Exception:  # noqa: BLE001 (a call the symbolic pass cannot run)
+        return None
+    finally:
+        for layer, own in hooked:
+            if own is None:
+                layer.__dict__.pop("call", None)
+            else:
+                object.__setattr__(layer, "call", own)
+    return order
