@@ -80,7 +80,33 @@ AutocastScope = _need("keras.src.backend", "AutocastScope")
 # Keras's own messages go through it (quiet under `keras.config.disable_interactive_logging`).
 print_msg = _need("keras.src.utils.io_utils", "print_msg")
 # The speed report: a symbolic forward pass, and the convolutions' bases.
-compute_output_spec = _need("keras.src.backend", "compute_output_spec")
+_compute_output_spec = _need("keras.src.backend", "compute_output_spec")
+_global_state = importlib.import_module("keras.src.backend.common.global_state")
+
+
+def compute_output_spec(fn, *args, **kwargs):
+    """Keras's symbolic pass, leaving Keras's name-scope stack as it found
+    it. On TensorFlow the pass runs in a new graph, where a model whose name
+    TensorFlow refuses as a root scope (`_MyModel` names itself
+    `__my_model`) raises inside Keras's `name_scope.__enter__` after its
+    entry was pushed: every variable made later in the process would be
+    named under it. The pass runs `fn` under a scope of its own, so that
+    the model's is never a root scope and the pass goes through."""
+
+    def scoped(*args, **kwargs):
+        with keras.name_scope("keras_mp_pass"):
+            return fn(*args, **kwargs)
+
+    stack = _global_state.get_global_attribute("name_scope_stack")
+    depth = len(stack) if stack else 0
+    try:
+        return _compute_output_spec(scoped, *args, **kwargs)
+    finally:
+        stack = _global_state.get_global_attribute("name_scope_stack")
+        if stack and len(stack) > depth:
+            del stack[depth:]
+
+
 BaseConv = _need("keras.src.layers.convolutional.base_conv", "BaseConv")
 BaseConvTranspose = _need("keras.src.layers.convolutional.base_conv_transpose", "BaseConvTranspose")
 BaseDepthwiseConv = _need("keras.src.layers.convolutional.base_depthwise_conv", "BaseDepthwiseConv")

@@ -56,3 +56,38 @@ def test_output_layers_of_a_subclassed_model_are_it_and_the_models_it_holds():
     assert layer_tree.is_subclassed(holder) and not layer_tree.is_graph(holder)
     assert layer_tree.is_graph(holder.generator) and layer_tree.is_container(holder.generator)
     assert layer_tree.has_sublayers(holder) and not layer_tree.has_sublayers(holder.critic)
+
+
+class _Private(keras.Model):
+    """Named `__private` by Keras: a name TensorFlow refuses as a root scope."""
+
+    def __init__(self):
+        super().__init__()
+        self.late = keras.layers.Dense(2, name="late")  # made first, called last
+        self.early = keras.layers.Dense(4, name="early")
+
+    def call(self, x):
+        return self.late(self.early(x))
+
+
+def test_call_order_is_the_order_call_runs_and_leaves_the_layers_as_they_were():
+    model = _Private()
+    model(np.zeros((1, 3), "float32"))
+    assert _names(layer_tree.layers_in_order(model)[1:]) == ["late", "early"]
+    assert _names(layer_tree.call_order(model, (1, 3))) == ["early", "late"]
+    assert "call" not in vars(model.early) and "call" not in vars(model.late)
+
+
+def test_applying_amp_to_a_model_named_with_an_underscore_leaves_later_names_alone():
+    """The symbolic pass that finds a subclassed model's head runs it in a new
+    graph on TensorFlow, which refuses `__private` as a root scope: the
+    refusal must not leave the name pushed on Keras's scope stack, where
+    every variable made afterwards in the process would be named under it."""
+    import keras_mp
+
+    model = _Private()
+    model(np.zeros((1, 3), "float32"))
+    keras_mp.apply_amp(model, "O2", "float16")
+    later = keras.layers.Dense(1, name="later")
+    later.build((None, 3))
+    assert later.kernel.path == "later/kernel"
