@@ -79,6 +79,29 @@ def test_the_distiller_learns_after_apply_amp_with_its_own_compile(level, dtype,
 # -- two optimizers ------------------------------------------------------------
 
 
+# How far each network's updates may be from float32's, over their size,
+# after the DCGAN's two epochs (measured: 0.043 in float16, 0.09 in bfloat16).
+DCGAN_TOLERANCE = {"float16": 0.1, "bfloat16": 0.25}
+_DCGAN_FLOAT32 = []
+
+
+def _dcgan_float32_updates():
+    """The float32 DCGAN's updates of (discriminator, generator), two epochs;
+    once per process."""
+    if not _DCGAN_FLOAT32:
+        x, _ = keras_io.digits()
+        model = keras_io.gan()
+        keras_io.compile_gan(model)
+        networks = (model.discriminator, model.generator)
+        before = [keras_io.weights_of(n) for n in networks]
+        model.fit(x, epochs=2, batch_size=64, verbose=0)
+        _DCGAN_FLOAT32.extend(
+            [a - b for a, b in zip(keras_io.weights_of(n), old)]
+            for n, old in zip(networks, before)
+        )
+    return _DCGAN_FLOAT32
+
+
 @needs_stateful_fit
 @pytest.mark.parametrize(
     "level, dtype, scaled",
@@ -102,7 +125,8 @@ def test_the_dcgan_trains_both_networks_with_its_two_optimizers(level, dtype, sc
     keras_mp says so once, and both networks learn. As written (no
     `scale_loss`) at float16 the gradients are applied unscaled, with a
     warning naming the line to add; before, both optimizers were bare (at O3
-    bfloat16 none of the 18 weights moved)."""
+    bfloat16 none of the 18 weights moved). Each network's updates follow
+    the float32 DCGAN's."""
     x, _ = keras_io.digits()
     model = keras_io.gan(scaled=scaled)
     keras_mp.apply_amp(model, level, dtype)
@@ -110,6 +134,14 @@ def test_the_dcgan_trains_both_networks_with_its_two_optimizers(level, dtype, sc
     d_before = keras_io.weights_of(model.discriminator)
     g_before = keras_io.weights_of(model.generator)
     history, told = _fit_quietly(model, x, epochs=2, batch_size=64)
+    # Each network's updates follow float32's (its latent draws are seeded),
+    # within its half dtype's tolerance: a network left untrained is 1 away.
+    reference = _dcgan_float32_updates()
+    for network, before, want in zip(
+        (model.discriminator, model.generator), (d_before, g_before), reference
+    ):
+        got = [a - b for a, b in zip(keras_io.weights_of(network), before)]
+        assert _relative_distance(got, want) < DCGAN_TOLERANCE[dtype], network.name
 
     for name in ("d_optimizer", "g_optimizer"):
         optimizer = getattr(model, name)
@@ -481,39 +513,71 @@ def _unmoved(before, networks):
     ]
 
 
-@pytest.mark.skipif(BACKEND != "tensorflow", reason="keras-io's WGAN-GP: TensorFlow")
-def test_keras_io_wgan_gp_trains_as_written():
-    """Its gradient penalty (a tape inside the tape) and three
-    discriminator steps per generator step: both optimizers wrapped, both
-    networks learn, the losses follow the O0 float32 run's, at O2 float16
-    and O3 bfloat16 (one test: one O0 run for both, CI's time)."""
+# How far a level's updates may be from float32's, over their size: the
+# WGAN-GP's two epochs at O2 float16 and O3 bfloat16 measured 0.03 and 0.05;
+# its gradient penalty at half its weight moves them by 0.33.
+WGAN_TOLERANCE = 0.1
+
+
+def _wgan_run(level=None, dtype=None, dropout_dtype=None, gp_weight=10.0, eager=True):
+    """keras-io's WGAN-GP trained two epochs: its model, its networks'
+    updates and logs. Op by op (`eager`), its unseeded `tf.random.normal`
+    draws are the same from run to run; in a graph they depend on the ops
+    before them. `dropout_dtype`: the float32 model with its Dropout layers
+    drawing their masks in that dtype, as they do at a level (a mask drawn
+    in float16 is another mask), the reference a level is compared with."""
     x, _ = keras_io.digits(128)
+    model = keras_io.wgan()
+    model.gp_weight = gp_weight
+    if dropout_dtype:
+        for layer in model.discriminator.layers:
+            if isinstance(layer, keras.layers.Dropout):
+                layer.dtype_policy = keras.DTypePolicy(dropout_dtype)
+    if level is not None:
+        keras_mp.apply_amp(model, level, dtype)
+    keras_io.compile_wgan(model)
+    model.run_eagerly = eager
+    networks = (model.discriminator, model.generator)
+    before = [_trainable(n) for n in networks]
+    history, _ = _fit_quietly(model, x * 2.0 - 1.0, epochs=2, batch_size=32, shuffle=False)
+    updates = [a - b for n, old in zip(networks, before) for a, b in zip(_trainable(n), old)]
+    return model, before, updates, history.history
 
-    def run(level, dtype=None):
-        model = keras_io.wgan()
-        if level != "O0":
-            keras_mp.apply_amp(model, level, dtype)
-        keras_io.compile_wgan(model)
-        networks = (model.discriminator, model.generator)
-        before = [_trainable(n) for n in networks]
-        history, _ = _fit_quietly(model, x * 2.0 - 1.0, epochs=2, batch_size=32, shuffle=False)
-        return model, before, networks, history.history
 
-    _, before_o0, networks_o0, reference = run("O0")
-    # WGAN's critic loss is a difference of means: its last bias gets a zero
-    # gradient, at O0 too. Every other weight moves, as at O0.
-    assert _unmoved(before_o0, networks_o0) == [(0, 5)]
-    for level, dtype in (("O2", "float16"), ("O3", "bfloat16")):
-        model, before, networks, logs = run(level, dtype)
-        assert _unmoved(before, networks) == [(0, 5)], level
-        for name in ("d_optimizer", "g_optimizer"):
-            assert isinstance(getattr(model, name), keras_mp.LossScaleOptimizer), name
-            assert f"{name}_skipped_steps" in logs
-        for key in ("d_loss", "g_loss"):
-            assert np.isfinite(logs[key]).all(), (level, key)
-            np.testing.assert_allclose(
-                logs[key], reference[key], rtol=0.2, atol=0.2, err_msg=f"{level} {key}"
-            )
+def _relative_distance(got, want):
+    got = np.concatenate([u.ravel() for u in got])
+    want = np.concatenate([u.ravel() for u in want])
+    return np.linalg.norm(got - want) / np.linalg.norm(want)
+
+
+@pytest.mark.skipif(BACKEND != "tensorflow", reason="keras-io's WGAN-GP: TensorFlow")
+@pytest.mark.parametrize("level, dtype", [("O2", "float16"), ("O3", "bfloat16")])
+def test_keras_io_wgan_gp_follows_float32_as_written(level, dtype):
+    """Its gradient penalty (a tape inside the tape) and three discriminator
+    steps per generator step: both optimizers wrapped, and every update of
+    both networks follows float32's, step by step, within the tolerance a
+    half dtype leaves, which the penalty at half its weight exceeds threefold.
+    (Keras's own mixed policy fails on it: the generator's float16 images
+    minus the float32 real ones.)"""
+    _, _, reference, _ = _wgan_run(dropout_dtype=dtype)
+    model, _, updates, logs = _wgan_run(level, dtype)
+    for name in ("d_optimizer", "g_optimizer"):
+        assert isinstance(getattr(model, name), keras_mp.LossScaleOptimizer), name
+        assert f"{name}_skipped_steps" in logs
+    assert _relative_distance(updates, reference) < WGAN_TOLERANCE
+    if level == "O2":
+        _, _, half_penalty, _ = _wgan_run(dropout_dtype=dtype, gp_weight=5.0)
+        assert _relative_distance(half_penalty, reference) > 3 * WGAN_TOLERANCE
+
+
+@pytest.mark.skipif(BACKEND != "tensorflow", reason="keras-io's WGAN-GP: TensorFlow")
+def test_keras_io_wgan_gp_trains_compiled():
+    """In a graph (`fit`'s default): every weight moves as at O0 (the
+    critic's last bias gets a zero gradient: a difference of means) and the
+    losses are finite."""
+    model, before, _, logs = _wgan_run("O2", "float16", eager=False)
+    assert _unmoved(before, (model.discriminator, model.generator)) == [(0, 5)]
+    assert all(np.isfinite(logs[key]).all() for key in ("d_loss", "g_loss"))
 
 
 @pytest.mark.skipif(BACKEND != "tensorflow", reason="keras-io's CycleGAN: TensorFlow")
