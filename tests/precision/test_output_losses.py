@@ -172,3 +172,37 @@ def test_the_head_is_found_in_every_shape_users_write():
         "dict_cls": "float16",
         "dict_reg": "float32",
     }
+
+
+@pytest.mark.parametrize("tail", ["squeeze", "rescale"])
+def test_a_head_behind_a_keras_op_is_the_head(tail):
+    """`ops.squeeze(price, -1)` for targets of shape (batch,), `price * 1e4`
+    to undo the targets' scaling: an output made by a Keras operation is
+    its layers', as far as its range goes. Before, the Dense stayed in
+    float16 and predicted inf; a cross-entropy's logits behind the same
+    operation stay in half."""
+    ones = keras.initializers.Constant(1.0)
+
+    def model(loss, dtype="float16"):
+        inputs = keras.Input((8,))
+        hidden = L.Dense(8, kernel_initializer=ones)(inputs)
+        head = L.Dense(1, kernel_initializer=ones, name="head")(hidden)
+        out = keras.ops.squeeze(head, -1) if tail == "squeeze" else head * 1e4
+        built = keras.Model(inputs, out)
+        expected = built.predict(x, verbose=0)
+        built.compile(optimizer="adam", loss=loss, amp_level="O2", amp_dtype=dtype)
+        return built, expected
+
+    x = np.full((2, 8), 2000.0, "float32")  # 128000 at the head: inf in float16
+    regression, expected = model("mae")
+    got = regression.predict(x, verbose=0)
+    assert got.dtype == "float32"
+    np.testing.assert_allclose(got, expected, rtol=1e-6)
+    row = [r for r in keras_mp.precision_summary(regression).rows if r["layer"] == "head"][0]
+    assert row["compute_dtype"] == "float32"
+    assert row["rule"].startswith("model output (loss mean_absolute_error): float16 could")
+    logits, _ = model(keras.losses.BinaryCrossentropy(from_logits=True))
+    assert logits.get_layer("head").compute_dtype == "float16"
+    in_bfloat16, _ = model("mae", "bfloat16")
+    assert in_bfloat16.get_layer("head").compute_dtype == "bfloat16"
+    assert in_bfloat16.predict(x, verbose=0).dtype == "float32"

@@ -63,11 +63,10 @@ COMPILED = {("O1", "float16"), ("O2", "float16"), ("O3", "bfloat16")}
 # keras.applications CNN eagerly in one cell in turn, its compiled `fit` in
 # `test_application_trains_compiled`. JAX runs an eager `fit` op by op, each
 # op compiled on its first call (30-90 s a cell for a keras.applications
-# CNN): of keras.applications it trains only ResNet50, compiled (the others
-# cost 35-55 s a cell to compile).
+# CNN): each keras.applications CNN trains there in its one compiled cell
+# (35-55 s a cell to compile).
 JAX = BACKEND == "jax"
 TORCH = BACKEND == "torch"
-JAX_APPLICATIONS = {"resnet50"}
 
 
 def _turn(family):
@@ -80,8 +79,6 @@ def _compiled_cell(family):
 
 
 def _jax_cells(family):
-    if family in HEAVY and family not in JAX_APPLICATIONS:
-        return set()
     return {_compiled_cell(family)}
 
 
@@ -409,8 +406,8 @@ _BEYOND_FLOAT16_CELLS = [
     # step the level matrix trains (CI's time).
     if TORCH
     or (BACKEND == "tensorflow" and (level, half) == ("O2", "float16"))
-    # JAX: one family's compiled O2 float16 step (the rules are the same).
-    or (JAX and family == "rwkv7" and (level, half) == ("O2", "float16"))
+    # JAX: each family's compiled O2 float16 step, as on TensorFlow.
+    or (JAX and (level, half) == ("O2", "float16"))
 ]
 _KERAS_MIXED_FLOAT16_IS_NAN = {}
 

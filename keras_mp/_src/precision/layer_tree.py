@@ -102,9 +102,32 @@ def output_layers(model):
             continue
         if isinstance(operation, keras.Model):
             layers.extend(output_layers(operation))
+        elif not isinstance(operation, keras.layers.Layer):
+            layers.extend(layers_before(model, operation))
         else:
             layers.append(operation)
     return tuple(layers)
+
+
+def layers_before(model, operation):
+    """The layers whose outputs a Keras operation of a functional model
+    takes in, walking back through other operations: an output made by
+    `ops.squeeze(dense(x), -1)` or `dense(x) * 1e4` is that Dense's, as
+    far as its range goes (a nested model stands for its output layers)."""
+    parents = {id(op): before for op, before in keras_internals.operations_from_inputs(model)}
+    found, seen, stack = [], set(), list(parents.get(id(operation), ()))
+    while stack:
+        op = stack.pop()
+        if id(op) in seen or isinstance(op, keras.layers.InputLayer):
+            continue
+        seen.add(id(op))
+        if isinstance(op, keras.Model):
+            found.extend(output_layers(op))
+        elif isinstance(op, keras.layers.Layer):
+            found.append(op)
+        else:
+            stack.extend(parents.get(id(op), ()))
+    return found
 
 
 def call_order(model, shape):

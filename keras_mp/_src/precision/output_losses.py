@@ -72,6 +72,8 @@ def keyed_outputs(model, outputs):
             layer = history.operation
             if isinstance(layer, keras.Model):  # a nested model's outputs
                 keyed += [(key, inner) for _, inner in keyed_outputs(layer, ())]
+            elif not isinstance(layer, keras.layers.Layer):  # `ops.squeeze(dense(x))`
+                keyed += [(key, inner) for inner in layer_tree.layers_before(model, layer)]
             else:
                 keyed.append((key, layer))
     return keyed
