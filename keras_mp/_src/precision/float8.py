@@ -176,6 +176,44 @@ def start_scales_from_weights(layer):
 E4M3_MAX = 448.0
 
 
+def follow_input_amax(layer, frozen):
+    """An FP8 layer that does not train (frozen after FP8 training): Keras
+    moves its scales only through the optimizer, so its input scale would
+    stay where training left it, and inputs that grow saturate E4M3. As
+    Transformer Engine does in each forward pass, its input scale follows
+    the amax history of what it takes in, at each training step (as
+    BatchNorm's statistics are updated: assigned in `call`); its kernel
+    does not change, nor its scale. Set at each compile (`frozen`: whether
+    the layer trains now); a layer that trains again goes back to Keras's
+    own call."""
+    own = layer.__dict__.get("_float8_call")
+    if not frozen:
+        if getattr(own, "follows_input_amax", False):
+            del layer.__dict__["_float8_call"]
+        return
+    if getattr(own, "follows_input_amax", False) or not hasattr(layer, "inputs_amax_history"):
+        return
+    keras_call = type(layer)._float8_call.__get__(layer)
+
+    def forward_amax_call(inputs, *args, training=None, **kwargs):
+        if training:
+            history = keras.quantizers.compute_float8_amax_history(
+                inputs, keras.ops.convert_to_tensor(layer.inputs_amax_history)
+            )
+            layer.inputs_amax_history.assign(history)
+            layer.inputs_scale.assign(
+                keras.quantizers.compute_float8_scale(
+                    keras.ops.max(history, axis=0),
+                    keras.ops.convert_to_tensor(layer.inputs_scale),
+                    keras.ops.cast(E4M3_MAX, "float32"),
+                )
+            )
+        return keras_call(inputs, *args, training=training, **kwargs)
+
+    forward_amax_call.follows_input_amax = True
+    object.__setattr__(layer, "_float8_call", forward_amax_call)
+
+
 _WARNED = []
 
 

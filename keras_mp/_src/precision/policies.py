@@ -13,6 +13,7 @@ from keras_mp._src import backends
 from keras_mp._src import keras_internals
 from keras_mp._src.precision import amp_settings
 from keras_mp._src.precision import boundaries
+from keras_mp._src.precision import conditions
 from keras_mp._src.precision import fallback
 from keras_mp._src.precision import float8
 from keras_mp._src.precision import layer_kinds
@@ -304,6 +305,8 @@ def set_policies(model, decisions):
     changed = False
     for layer, (policy_name, rule) in decisions:
         changed = _set_policy(layer, policy_name, rule) or changed
+        if float8.is_float8(layer):
+            float8.follow_input_amax(layer, conditions.frozen(layer, None))
     if changed:
         backends.current.variables_changed(model)
 

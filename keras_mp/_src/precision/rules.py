@@ -120,13 +120,14 @@ FLOAT8_RULES = (
     Rule(_FP8, FLOAT8, _FP8_REASON),
 )
 # A layer FP8 already (a model saved at this level, loaded): kept under
-# FP8's reason; frozen since, it keeps the scales training left it (Keras
-# cannot undo a quantization).
+# FP8's reason (Keras cannot undo a quantization); frozen since, its input
+# scale follows the amax of each training step's inputs
+# (`float8.follow_input_amax`).
 KEPT_FP8 = (
     Rule(
         (in_float8, layer_is(float8.is_float8), frozen),
         KEEP,
-        "{level} float8: frozen after FP8 training, its scales fixed where training left them",
+        "{level} float8: frozen after FP8 training, its input scale follows each step's amax",
     ),
     Rule((in_float8, layer_is(float8.is_float8)), KEEP, _FP8_REASON),
 )
