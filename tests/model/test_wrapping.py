@@ -96,8 +96,7 @@ def _dcgan_float32_updates():
         before = [keras_io.weights_of(n) for n in networks]
         model.fit(x, epochs=2, batch_size=64, verbose=0)
         _DCGAN_FLOAT32.extend(
-            [a - b for a, b in zip(keras_io.weights_of(n), old)]
-            for n, old in zip(networks, before)
+            [a - b for a, b in zip(keras_io.weights_of(n), old)] for n, old in zip(networks, before)
         )
     return _DCGAN_FLOAT32
 
