@@ -318,7 +318,7 @@ def head_layers(model, outputs):
         if _weighs_inputs(output) or parent is None or not layer_tree.is_graph(parent):
             continue
         if id(parent) not in graphs:
-            graphs[id(parent)] = _predecessors(parent)
+            graphs[id(parent)] = layer_tree.predecessors(parent)
         before = graphs[id(parent)]
         stack = [(p, heads[id(output)][1]) for p in before.get(id(output), ())]
         while stack:
@@ -329,15 +329,6 @@ def head_layers(model, outputs):
             if not _weighs_inputs(layer) and not layer_tree.is_container(layer):
                 stack.extend((p, bounded) for p in before.get(id(layer), ()))
     return heads
-
-
-def _predecessors(graph):
-    """`{id(layer): [the layers whose outputs it takes in]}` in a Sequential
-    or functional model."""
-    if isinstance(graph, keras.Sequential):
-        layers = graph.layers
-        return {id(b): [a] for a, b in zip(layers, layers[1:])}
-    return {id(op): parents for op, parents in keras_internals.operations_from_inputs(graph)}
 
 
 def _bounds_its_outputs(layer):

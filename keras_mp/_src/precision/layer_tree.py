@@ -114,7 +114,7 @@ def layers_before(model, operation):
     takes in, walking back through other operations: an output made by
     `ops.squeeze(dense(x), -1)` or `dense(x) * 1e4` is that Dense's, as
     far as its range goes (a nested model stands for its output layers)."""
-    parents = {id(op): before for op, before in keras_internals.operations_from_inputs(model)}
+    parents = predecessors(model)
     found, seen, stack = [], set(), list(parents.get(id(operation), ()))
     while stack:
         op = stack.pop()
@@ -128,6 +128,15 @@ def layers_before(model, operation):
         else:
             stack.extend(parents.get(id(op), ()))
     return found
+
+
+def predecessors(graph):
+    """`{id(operation): [the operations whose outputs it takes in]}` in a
+    Sequential or functional model."""
+    if isinstance(graph, keras.Sequential):
+        layers = graph.layers
+        return {id(b): [a] for a, b in zip(layers, layers[1:])}
+    return {id(op): parents for op, parents in keras_internals.operations_from_inputs(graph)}
 
 
 def call_order(model, shape):
