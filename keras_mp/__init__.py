@@ -17,7 +17,7 @@ The public API, in full (implementation lives in `keras_mp._src`):
 - `analyze(model, x, y)`: the precision doctor: activations against the half
   range, gradient underflow/overflow at the current and the recommended loss
   scale, layers to keep in float32.
-- `speed_report(model, x, level=..., dtype=..., gpu=...)`: why the level
+- `speed_report(model, x, level=..., dtype=..., device=...)`: why the level
   makes a step faster or not, and by how much at most, computed on any
   machine (FLOPs in half, tensor-core shapes, casts, bytes, launches).
 - `export(model, path, dtype="float32", format=...)`: a copy computing in

@@ -6,27 +6,61 @@ import pytest
 import keras_mp
 from keras_mp._src.precision import auto_level
 
+FAST = {"float32": 200e9, "bfloat16": 660e9}  # oneDNN with AVX512-BF16 (issue 64)
+XLA = {"float32": 225e9, "bfloat16": 323e9}  # JAX's CPU emitter on that CPU
+EMULATED = {"float32": 150e9, "bfloat16": 1.3e9}  # PyTorch without native bfloat16
+EVEN = {"float32": 150e9, "bfloat16": 160e9}
+
 
 @pytest.mark.parametrize(
-    "capability, flags, backend, expected",
+    "capability, flags, backend, rates, expected",
     [
-        ((9, 0), set(), "jax", ("O2", "float16")),
-        ((6, 1), set(), "torch", ("O0", "float16")),
-        (None, {"avx512_bf16"}, "torch", ("O0", "float16")),
-        (None, {"amx_bf16"}, "tensorflow", ("O2", "bfloat16")),
-        (None, {"avx512_bf16"}, "jax", ("O0", "float16")),
-        (None, set(), "tensorflow", ("O0", "float16")),
+        ((9, 0), set(), "jax", None, ("O2", "float16")),
+        ((6, 1), set(), "torch", None, ("O0", "float16")),
+        (None, {"avx512_bf16"}, "torch", FAST, ("O2", "bfloat16")),
+        (None, {"amx_bf16"}, "tensorflow", FAST, ("O2", "bfloat16")),
+        (None, {"avx512_bf16"}, "jax", XLA, ("O2", "bfloat16")),
+        (None, {"avx512_bf16"}, "jax", EVEN, ("O0", "float16")),
+        (None, {"avx2"}, "torch", EMULATED, ("O0", "float16")),
+        # No native instructions: a fast timing is noise (a 1024 matmul's
+        # float32 rate varied 78-142 GFLOP/s between processes on a Zen 3).
+        (None, {"avx2"}, "tensorflow", FAST, ("O0", "float16")),
+        # Flags unknown (no /proc/cpuinfo): the timing decides.
+        (None, set(), "jax", FAST, ("O2", "bfloat16")),
+        (None, {"neon", "bf16"}, "torch", FAST, ("O2", "bfloat16")),
+        (None, {"avx2"}, "tensorflow", None, ("O0", "float16")),
     ],
 )
-def test_auto_level_rule(capability, flags, backend, expected):
-    level, dtype, reason = auto_level.auto_level_rule(capability, flags, backend)
+def test_auto_level_rule(capability, flags, backend, rates, expected):
+    """Issue 64: on a CPU the measured matmul rates decide, not the flags."""
+    level, dtype, reason = auto_level.auto_level_rule(capability, flags, backend, rates)
     assert (level, dtype) == expected
     assert reason and "RESULTS.md" not in reason
+    if rates:
+        speedup = rates["bfloat16"] / rates["float32"]
+        assert f"{speedup:.2f}x float32's rate" in reason and backend in reason
+        native = sorted(set(flags) & {"avx512_bf16", "amx_bf16", "bf16"})
+        if native:
+            assert f"native bfloat16 ({', '.join(native)})" in reason
+        else:
+            assert "no native bfloat16" in reason
 
 
 def test_the_machine_gets_a_level_of_the_rule():
     level, dtype, reason = auto_level.pick_auto_level()
     assert level in ("O0", "O2") and dtype in ("float16", "bfloat16") and reason
+
+
+def test_auto_says_what_it_picked_in_precision_summary():
+    """Issue 64.1: the reason of `auto` is in `precision_summary`, and a
+    later named level replaces it."""
+    model = keras.Sequential([keras.Input((8,)), keras.layers.Dense(4)])
+    model.compile(optimizer="adam", loss="mse", amp_level="auto")
+    level, dtype, reason = auto_level.pick_auto_level()
+    text = keras_mp.precision_summary(model).text
+    assert f"amp_level='auto' picked {level}" in text and reason in text
+    model.compile(optimizer="adam", loss="mse", amp_level="O2", amp_dtype="bfloat16")
+    assert "amp_level='auto'" not in keras_mp.precision_summary(model).text
 
 
 def test_float8_says_where_no_fp8_matmul_runs():

@@ -29,5 +29,24 @@ def test_a_misaligned_half_matmul_runs_off_the_tensor_cores():
 def test_a_peaks_of_ones_own_is_taken():
     mine = gpu_peaks.Peaks("mine", 1.0, 1.0, None, 0.5, 1.0)
     assert gpu_peaks.peaks_of(mine) is mine
-    with pytest.raises(ValueError, match="Received: gpu='V100'"):
+    with pytest.raises(ValueError, match="Received: device='V100'"):
         gpu_peaks.peaks_of("V100")
+
+
+def test_the_cpu_is_measured_and_the_bound_never_charges_half_below_float32():
+    """Issue 64.2: without a GPU, this CPU's measured rates; an emulated
+    half dtype is estimated at its rate but bounded at float32's."""
+    cpu = gpu_peaks.peaks_of("cpu")
+    assert cpu.kind == "cpu" and cpu.float8 is None and cpu.tf32 is None
+    assert cpu.o0_rate(tf32=True) == cpu.float32 * gpu_peaks.O0_ATTAINED["cpu"]
+    slow = gpu_peaks.Peaks("slow", 1e9, 1e9, None, 1e11, 1e10, kind="cpu")
+    assert slow.matmul_rate("bfloat16", aligned=False) == 1e9
+    assert slow.bound_rate("bfloat16") == 1e11
+    fast = gpu_peaks.Peaks("fast", 1e11, 3e11, None, 1e11, 1e10, kind="cpu")
+    assert fast.bound_rate("bfloat16") == fast.matmul_rate("bfloat16") == 3e11
+
+
+def test_o0_is_charged_at_what_measurements_reached():
+    h100 = gpu_peaks.peaks_of("H100")
+    assert h100.o0_rate(tf32=True) == 495e12 * gpu_peaks.O0_ATTAINED["tf32"]
+    assert h100.o0_rate(tf32=False) == 67e12 * gpu_peaks.O0_ATTAINED["float32"]

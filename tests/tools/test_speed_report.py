@@ -47,7 +47,7 @@ def test_the_dtype_column_is_what_apply_amp_sets(level, dtype):
 
 
 def test_flops_bytes_and_tensor_cores_by_hand():
-    report = keras_mp.speed_report(_classifier(), X, "O2", "float16")
+    report = keras_mp.speed_report(_classifier(), X, "O2", "float16", device="H100")
     rows = {r["layer"]: r for r in report.rows}
     assert rows["hidden"]["flops"] == 3 * 2 * 64 * (8 * 8 * 16) * 250
     assert rows["hidden"]["tensor_cores"] == "no: units=250"
@@ -95,7 +95,7 @@ def test_o3_and_zero_optimizer_bytes_are_a_real_optimizers():
 def test_the_digits_mlp_is_too_small_to_speed_up():
     keras.utils.set_random_seed(0)
     mlp = keras.Sequential([keras.Input((64,)), L.Dense(64, activation="relu"), L.Dense(10)])
-    report = keras_mp.speed_report(mlp, np.zeros((64, 64), "float32"), "O2")
+    report = keras_mp.speed_report(mlp, np.zeros((64, 64), "float32"), "O2", device="H100")
     assert report.summary["launch_bound"]
     assert "expect no speed-up" in report.verdict
     assert report.summary["advice"][0].startswith("a larger batch")
@@ -110,7 +110,7 @@ def test_a_convolutional_step_is_not_launch_bound_and_gains_in_half():
         x = L.Conv2D(64, 3, padding="same", activation="relu", name=f"c{i}")(x)
     model = keras.Model(inputs, L.Conv2D(8, 1, name="head")(x))
     x = keras.KerasTensor((64, 224, 224, 64), "float32")
-    report = keras_mp.speed_report(model, x, "O2", "bfloat16", gpu="A100")
+    report = keras_mp.speed_report(model, x, "O2", "bfloat16", device="A100")
     summary = report.summary
     assert not summary["launch_bound"]
     assert summary["half_flop_share"] > 0.9
@@ -120,11 +120,70 @@ def test_a_convolutional_step_is_not_launch_bound_and_gains_in_half():
 
 @hypothesis.settings(deadline=None, max_examples=15)
 @hypothesis.given(
-    st.text(max_size=6).filter(lambda s: s.upper() not in ("H100", "H200", "A100", "L4", "T4"))
+    st.text(max_size=6).filter(
+        lambda s: s.upper() not in ("H100", "H200", "A100", "L4", "T4", "CPU")
+    )
 )
-def test_an_unknown_gpu_is_refused_by_name(gpu):
-    with pytest.raises(ValueError, match=r"`gpu` must be one of H100, H200, A100, L4, T4"):
-        keras_mp.speed_report(_classifier(), X, gpu=gpu)
+def test_an_unknown_device_is_refused_by_name(device):
+    with pytest.raises(ValueError, match=r"`device` must be 'cpu' .* H100, H200, A100, L4, T4"):
+        keras_mp.speed_report(_classifier(), X, device=device)
+    with pytest.raises(ValueError, match=r"`gpu` must be 'cpu' .* Received: gpu="):
+        keras_mp.speed_report(_classifier(), X, gpu=device)
+
+
+def test_gpu_is_the_older_name_of_device():
+    old = keras_mp.speed_report(_classifier(), X, "O2", gpu="A100").summary
+    new = keras_mp.speed_report(_classifier(), X, "O2", device="A100").summary
+    assert old["gpu"] == new["gpu"] == "NVIDIA A100 SXM 80GB"
+    assert old["speedup_bound_tf32"] == new["speedup_bound_tf32"]
+    with pytest.raises(ValueError, match="pass one of them"):
+        keras_mp.speed_report(_classifier(), X, device="A100", gpu="H100")
+
+
+def test_without_a_gpu_it_reports_for_this_cpu():
+    """Issue 64.2: the default is this machine; without a GPU its CPU, with
+    the rates measured here, its bound, what the CPU lacks, and no
+    tensor-core advice."""
+    from keras_mp._src import backends
+    from keras_mp._src.backends import cpu_rates
+
+    if backends.current.gpu_name() is not None:
+        pytest.skip("this machine has a GPU: the default reports for it")
+    model = keras.Sequential(
+        [keras.Input((512,)), L.Dense(1000, activation="relu"), L.Dense(250), L.Dense(10)]
+    )
+    x = keras.KerasTensor((256, 512), "float32")
+    for dtype in ("bfloat16", "float16"):
+        report = keras_mp.speed_report(model, x, "O2", dtype)
+        summary = report.summary
+        assert summary["device_kind"] == "cpu" and cpu_rates.cpu_name() in summary["gpu"]
+        assert not summary["launch_bound"]
+        bound = summary["speedup_bound_tf32"]
+        assert bound == summary["speedup_bound_float32"] > 1  # no TF32 on a CPU
+        rate = cpu_rates.matmul_rate(dtype) / cpu_rates.matmul_rate("float32")
+        assert f"a {dtype} matmul ran at {rate:.2f}x float32's rate" in report.verdict
+        assert f"at most {bound:.2f}x" in report.verdict
+        lacks = bool(cpu_rates.cpu_flags()) and not cpu_rates.native(cpu_rates.cpu_flags(), dtype)
+        assert (f"no native {dtype} instructions" in report.verdict) == lacks
+        assert not any(a.startswith("pad ") for a in summary["advice"])
+        assert "n/a (CPU)" in report.text
+        assert report.summary == keras_mp.speed_report(model, x, "O2", dtype, device="cpu").summary
+
+
+def test_an_emulated_half_dtype_is_bounded_at_float32s_rate():
+    """A CPU that converts bfloat16 to float32 (1 GFLOP/s against 100): the
+    bound never charges half below float32; a native one (3x) lifts it."""
+    from keras_mp._src.tools import gpu_peaks
+
+    slow = gpu_peaks.Peaks("a CPU", 1e9, 1e9, None, 1e11, 2e10, kind="cpu")
+    fast = gpu_peaks.Peaks("a CPU", 3e11, 3e11, None, 1e11, 2e10, kind="cpu")
+    model = keras.Sequential([keras.Input((1024,)), L.Dense(1024), L.Dense(1024)])
+    x = keras.KerasTensor((512, 1024), "float32")
+    slower = keras_mp.speed_report(model, x, "O2", "bfloat16", device=slow).summary
+    faster = keras_mp.speed_report(model, x, "O2", "bfloat16", device=fast).summary
+    assert 1.0 < slower["speedup_bound_tf32"] < 2.5
+    assert "0.01x float32's rate" in slower["verdict"]
+    assert slower["speedup_bound_tf32"] * 1.5 < faster["speedup_bound_tf32"] < 7.0
 
 
 @pytest.mark.parametrize(

@@ -307,6 +307,21 @@ def gpu_compute_capability():
     return None
 
 
+def gpu_name():
+    """The first GPU's name as its driver gives it ("NVIDIA H100 80GB HBM3"),
+    or None."""
+    return None
+
+
+def timed_matmul(n, dtype):
+    """A callable running one `n` x `n` x `n` matmul in `dtype` on the CPU
+    the way `fit` runs a step's matmuls on this backend, returning when its
+    result is ready (`cpu_rates.py` times it)."""
+    a = ops.cast(keras.random.uniform((n, n), seed=1), dtype)
+    b = ops.cast(keras.random.uniform((n, n), seed=2), dtype)
+    return lambda: ops.convert_to_numpy(ops.matmul(a, b)[0, 0])
+
+
 def half_attention_needs_float32(dtype):
     """Whether Keras's attention cannot compute in `dtype` here (JAX's CPU)."""
     return False

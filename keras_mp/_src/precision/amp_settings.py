@@ -51,6 +51,8 @@ class AmpSettings:
             else None.
         loss: the loss `compile` was given (None: not known, as under
             `apply_amp`); the head rule reads it (`output_losses.py`).
+        auto: under `amp_level="auto"`, what it picked and why (one line,
+            which `precision_summary` shows); else None.
     """
 
     level: Level
@@ -63,6 +65,7 @@ class AmpSettings:
     shard_optimizer_state: bool = False
     float8: object = None
     loss: object = None
+    auto: object = None
 
     @property
     def name(self):
@@ -219,19 +222,19 @@ def for_compile(
     zero.check_argument(shard_optimizer_state)
     allow = check_layer_list(amp_allow, "amp_allow")
     deny = check_layer_list(amp_deny, "amp_deny")
+    auto = None
     if amp_level == "auto":
         name, auto_dtype, reason = pick_auto_level()
         level = get_level(name)
         half = given_half or auto_dtype
         if level.computes_in_half:
-            keras_internals.print_msg(
-                f"keras_mp: amp_level='auto' picked {level.name} in {half}: {reason}."
-            )
+            auto = f"amp_level='auto' picked {level.name} in {half}: {reason}."
         else:
-            keras_internals.print_msg(
-                f"keras_mp: amp_level='auto' picked {level.name} (float32 everywhere): "
-                f"{reason}. Pass amp_level='O2' to train in half precision anyway."
+            auto = (
+                f"amp_level='auto' picked {level.name} (float32 everywhere): {reason}. "
+                "Pass amp_level='O2' to train in half precision anyway."
             )
+        keras_internals.print_msg(f"keras_mp: {auto}")
     else:
         level = get_level(amp_level)
         half = given_half or "float16"
@@ -264,6 +267,7 @@ def for_compile(
         master_weights,
         shard_optimizer_state,
         recipe,
+        auto=auto,
     )
 
 

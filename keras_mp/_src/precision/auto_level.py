@@ -1,6 +1,13 @@
 """`amp_level="auto"`: the level this machine trains fastest at."""
 
 from keras_mp._src import backends
+from keras_mp._src.backends import cpu_rates
+
+# On a CPU, `auto` picks bfloat16 where a bfloat16 matmul measures at least
+# this many times float32's rate with this process's backend: below it the
+# casts and the float32 work around the matmuls eat the gain (JAX's
+# transformer block measured 0.83x O0 where its matmul measured 1.0x).
+CPU_BFLOAT16_MIN_SPEEDUP = 1.2
 
 
 def pick_auto_level():
@@ -9,46 +16,56 @@ def pick_auto_level():
         capability = backends.current.gpu_compute_capability()
     except Exception:  # No usable GPU runtime: treat as a CPU machine.
         capability = None
-    return auto_level_rule(capability, _cpu_flags(), backends.current.NAME)
+    rates = None
+    if capability is None:
+        rates = {dtype: cpu_rates.matmul_rate(dtype) for dtype in ("float32", "bfloat16")}
+    return auto_level_rule(capability, cpu_rates.cpu_flags(), backends.current.NAME, rates)
 
 
-def auto_level_rule(gpu_capability, cpu_flags, backend):
+def auto_level_rule(gpu_capability, cpu_flags, backend, cpu_matmul_rates=None):
     """The rule of `amp_level="auto"`, from the machine's facts.
 
     - A GPU with tensor cores (compute capability >= 7.0): O2 in float16,
       with dynamic loss scaling; bfloat16 where the GPU has it natively (>= 8.0)
       needs no scaling, but float16 is the common baseline.
-    - A CPU with native bfloat16 instructions (AVX512_BF16 or AMX) on the
-      TensorFlow backend: O2 in bfloat16, which measured faster there on
-      dense and convolutional models (`benchmarks/README.md`).
-    - Otherwise O0: on CPUs, PyTorch's bfloat16 attention and JAX's half
-      precision measured slower than float32.
+    - A CPU: O2 in bfloat16 where its flags name native bfloat16
+      (AVX512-BF16, AMX; Arm's BF16; no flags known: the timing alone) and
+      a bfloat16 matmul measured at least `CPU_BFLOAT16_MIN_SPEEDUP` times
+      float32's rate with this backend (`cpu_rates.py`: the backend uses
+      the instructions), else O0 (float16 is emulated on most CPUs: never
+      picked).
 
     Args:
         gpu_capability: `(major, minor)` of the first GPU, or None.
         cpu_flags: set of /proc/cpuinfo flags.
         backend: "tensorflow", "jax" or "torch".
+        cpu_matmul_rates: on a CPU, `{"float32": FLOP/s, "bfloat16": FLOP/s}`
+            of a matmul measured with `backend` (`cpu_rates.matmul_rate`).
     """
     if gpu_capability is not None:
         major, minor = gpu_capability
         if gpu_capability >= (7, 0):
             return "O2", "float16", f"GPU with tensor cores (compute capability {major}.{minor})"
         return "O0", "float16", f"GPU without tensor cores (compute capability {major}.{minor})"
-    native = sorted(set(cpu_flags) & {"avx512_bf16", "amx_bf16"})
-    if backend == "tensorflow" and native:
-        return "O2", "bfloat16", f"CPU with native bfloat16 ({', '.join(native)}) on {backend}"
-    return "O0", "float16", f"half precision is slower than float32 on this CPU with {backend}"
-
-
-def _cpu_flags():
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("flags"):
-                    return set(line.split(":", 1)[1].split())
-    except OSError:
-        pass
-    return set()
+    native = cpu_rates.native_bfloat16(cpu_flags)
+    has = (
+        f"native bfloat16 ({', '.join(native)})"
+        if native
+        else "no native bfloat16 (AVX512-BF16 or AMX)"
+    )
+    if not cpu_matmul_rates:
+        return "O0", "float16", f"CPU with {has}: nothing measured with {backend}"
+    speedup = cpu_matmul_rates["bfloat16"] / cpu_matmul_rates["float32"]
+    measured = (
+        f"a bfloat16 matmul ran at {speedup:.2f}x float32's rate on this CPU with "
+        f"{backend} (measured; {has})"
+    )
+    if cpu_flags and not native:
+        # Converted to float32 to multiply: a faster timing is noise.
+        return "O0", "float16", f"{measured}: bfloat16 is converted to float32 here"
+    if speedup >= CPU_BFLOAT16_MIN_SPEEDUP:
+        return "O2", "bfloat16", measured
+    return "O0", "float16", f"{measured}, too little for half precision to pay"
 
 
 def float8_gemms_absent():
@@ -59,7 +76,7 @@ def float8_gemms_absent():
         capability = backends.current.gpu_compute_capability()
     except Exception:  # No usable GPU runtime: a CPU machine.
         capability = None
-    return float8_rule(capability, _cpu_flags(), backends.current.NAME)
+    return float8_rule(capability, cpu_rates.cpu_flags(), backends.current.NAME)
 
 
 def float8_rule(gpu_capability, cpu_flags, backend):

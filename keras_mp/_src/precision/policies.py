@@ -33,6 +33,8 @@ KERAS_DEFAULT_RULE = "Keras default"
 # Set on a model that `apply_amp` or `to_float` was given (see `is_amp_model`).
 _AMP_MODEL_ATTRIBUTE = "_keras_mp_amp_model"
 _LAYER_LISTS_ATTRIBUTE = "_keras_mp_layer_lists"
+# What `amp_level="auto"` picked for the model and why (`AmpSettings.auto`).
+_AUTO_ATTRIBUTE = "_keras_mp_auto"
 
 
 def mark_amp_model(model):
@@ -147,6 +149,7 @@ def apply_amp(
 
 def apply(model, amp):
     """`apply_amp` with its settings resolved (`amp_settings.AmpSettings`)."""
+    object.__setattr__(model, _AUTO_ATTRIBUTE, amp.auto)
     outputs = layer_tree.output_layers(model)
     entry_dtype = amp.inner_dtype
     if rules.own_arithmetic_in_float32(model, rules.Place(amp, model)):
@@ -241,6 +244,12 @@ def needs_keras_mp(layer):
         return True
     half = keras.backend.standardize_dtype(layer.compute_dtype) != "float32"
     return half and isinstance(layer, layer_kinds.DATA_MOVEMENT)
+
+
+def auto_choice(model):
+    """What `amp_level="auto"` picked for `model` and why, or None (the
+    model's latest level was named)."""
+    return getattr(model, _AUTO_ATTRIBUTE, None)
 
 
 def layer_lists(model):

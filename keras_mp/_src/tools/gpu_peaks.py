@@ -1,4 +1,5 @@
-"""Peak rates of the GPUs the speed report predicts for, as data.
+"""Peak rates of the devices the speed report predicts for, as data: the
+GPUs' from their data sheets, this machine's CPU measured (`this_cpu`).
 
 Dense (not sparse) tensor-core rates from NVIDIA's data sheets, in FLOP/s,
 and memory bandwidth in bytes/s. A rate of None means the GPU has no such
@@ -14,6 +15,22 @@ of 8 cannot use the tensor cores' fast path; the report counts it at twice
 the float32 (CUDA-core) rate, what half arithmetic reaches without them.
 `LAUNCH_SECONDS`: the host and launch cost of one kernel, hidden only when
 a step's kernels run longer than it takes to launch them.
+
+`O0_ATTAINED`: the bound is a bound on the speed-up, so it takes the
+level's matmuls at their peak and O0's float32 matmuls no faster than the
+smallest fraction of their peak that measurements reached: on an H100
+(`benchmarks/README.md`) O0's TF32 matmuls ran at 23 % of TF32's peak
+(Gemma, where bfloat16's reached 29 % of theirs) and 12 % (ResNet50's
+convolutions), strict float32 at 50 % and 29 %.
+
+A CPU (`this_cpu`) has no peak table: its rates are those `cpu_rates.py`
+measured with this process's backend, and a half dtype's matmul counts at
+no less than float32's rate for the bound (an emulated dtype converts and
+multiplies in float32). O0's float32 matmuls count at half the timed rate:
+on a 2-core AMD EPYC without AVX512-BF16, JAX's steps of a BERT, a GPT-2
+and a ResNet50 ran 1.09-1.16x faster in bfloat16 than in float32 where a
+bfloat16 matmul alone timed 0.55x float32's (`benchmarks/README.md`): the
+step's other work, which halves its bytes, is more than its matmuls.
 """
 
 import dataclasses
@@ -28,6 +45,7 @@ class Peaks:
     float32: float
     bandwidth: float  # bytes/s
     float8: object = None  # None: no FP8 tensor cores
+    kind: str = "gpu"  # or "cpu": measured rates, no tensor cores
 
     def matmul_rate(self, dtype, tf32=False, aligned=True):
         """FLOP/s of a matmul computing in `dtype` (`tf32`: float32 matmuls
@@ -42,14 +60,31 @@ class Peaks:
             rate = getattr(self, dtype)
             if rate is None:
                 return self.float32
+            if self.kind == "cpu":
+                return rate
             return rate if aligned else HALF_CUDA_CORE_FACTOR * self.float32
         if tf32 and self.tf32 is not None:
             return self.tf32
         return self.float32
 
+    def o0_rate(self, tf32):
+        """FLOP/s the bound charges O0's float32 matmuls at (`O0_ATTAINED`)."""
+        if self.kind == "cpu":
+            return self.float32 * O0_ATTAINED["cpu"]
+        if tf32 and self.tf32 is not None:
+            return self.tf32 * O0_ATTAINED["tf32"]
+        return self.float32 * O0_ATTAINED["float32"]
+
+    def bound_rate(self, dtype, tf32=False, aligned=True):
+        """FLOP/s the bound charges the level's matmuls in `dtype` at: their
+        peak on a GPU; on a CPU no less than float32's measured rate."""
+        rate = self.matmul_rate(dtype, tf32, aligned)
+        return max(rate, self.float32) if self.kind == "cpu" else rate
+
 
 HALF_CUDA_CORE_FACTOR = 2.0
 LAUNCH_SECONDS = 5e-6
+O0_ATTAINED = {"tf32": 0.2, "float32": 0.25, "cpu": 0.5}
 
 GPUS = {
     "H100": Peaks("NVIDIA H100 SXM", 989e12, 989e12, 495e12, 67e12, 3.35e12, 1979e12),
@@ -60,12 +95,54 @@ GPUS = {
 }
 
 
-def peaks_of(gpu):
-    """The `Peaks` of a GPU named as in `GPUS` (any case), or given as one."""
-    if isinstance(gpu, Peaks):
-        return gpu
-    if isinstance(gpu, str) and gpu.upper() in GPUS:
-        return GPUS[gpu.upper()]
+def peaks_of(device, argument="device"):
+    """The `Peaks` of a device: a GPU named as in `GPUS` (any case), `"cpu"`
+    (this machine's, measured), a `Peaks`, or None: this machine's first
+    GPU where its name is in `GPUS`, else its CPU."""
+    if isinstance(device, Peaks):
+        return device
+    if device is None:
+        return this_machine()
+    if isinstance(device, str) and device.lower() == "cpu":
+        return this_cpu()
+    if isinstance(device, str) and device.upper() in GPUS:
+        return GPUS[device.upper()]
     raise ValueError(
-        f"`gpu` must be one of {', '.join(GPUS)} (or a `Peaks` of your own). Received: gpu={gpu!r}"
+        f"`{argument}` must be 'cpu' (this machine's CPU, measured), one of "
+        f"{', '.join(GPUS)}, None (this machine) or a `Peaks` of your own. "
+        f"Received: {argument}={device!r}"
+    )
+
+
+def this_machine():
+    """The `Peaks` of the GPU this backend sees where `GPUS` knows its name,
+    else of this machine's CPU."""
+    from keras_mp._src import backends
+
+    try:
+        name = backends.current.gpu_name()
+    except Exception:  # No usable GPU runtime.
+        name = None
+    for known in GPUS:
+        if name and known in name.upper():
+            return GPUS[known]
+    return this_cpu()
+
+
+def this_cpu():
+    """This machine's CPU with this process's backend: matmul rates and
+    memory bandwidth measured (`cpu_rates.py`, once per process)."""
+    from keras_mp._src import backends
+    from keras_mp._src.backends import cpu_rates
+
+    native = cpu_rates.native_bfloat16(cpu_rates.cpu_flags())
+    return Peaks(
+        f"{cpu_rates.cpu_name()} ({', '.join(native) or 'no native bfloat16'}) "
+        f"with {backends.current.NAME}",
+        float16=cpu_rates.matmul_rate("float16"),
+        bfloat16=cpu_rates.matmul_rate("bfloat16"),
+        tf32=None,
+        float32=cpu_rates.matmul_rate("float32"),
+        bandwidth=cpu_rates.memory_bandwidth(),
+        kind="cpu",
     )

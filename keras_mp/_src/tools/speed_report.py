@@ -62,7 +62,7 @@ def speed_report(
     x,
     level="O2",
     dtype="float16",
-    gpu="H100",
+    device=None,
     slots=None,
     replicas=1,
     shard_optimizer_state=False,
@@ -71,6 +71,7 @@ def speed_report(
     allow=None,
     deny=None,
     print_fn=None,
+    gpu=None,
 ):
     """Predicts, on any machine, what a precision level does to a step's speed.
 
@@ -81,8 +82,11 @@ def speed_report(
         dtype: `"float16"`, `"bfloat16"`, or `"float8"` (O2, O3: the matmuls
             `apply_amp` would put in FP8 at FP8's rate where the GPU has FP8
             tensor cores, H100, H200, L4; bfloat16's elsewhere).
-        gpu: the GPU to predict for: `"H100"`, `"H200"`, `"A100"`, `"L4"`,
-            `"T4"` (`gpu_peaks.GPUS`).
+        device: what to predict for: None, this machine (its GPU where
+            `gpu_peaks.GPUS` knows it, else its CPU); `"cpu"`, this machine's
+            CPU with this backend, its matmul rates measured (about a second,
+            once per process); or a GPU to plan for, `"H100"`, `"H200"`,
+            `"A100"`, `"L4"`, `"T4"`.
         slots: optimizer slots per trainable weight (Adam 2, SGD with momentum
             1); None: from the model's compiled optimizer, else 2.
         replicas: data-parallel replicas (for `shard_optimizer_state`).
@@ -92,12 +96,21 @@ def speed_report(
             those of the model's compiled optimizer.
         keep_batchnorm_fp32, allow, deny: as in `apply_amp`.
         print_fn: optional callable given the text (e.g. `print`).
+        gpu: the older name of `device` (a GPU's name).
 
     Returns:
         A `SpeedReport`.
     """
     check_model(model)
-    peaks = gpu_peaks.peaks_of(gpu)
+    if gpu is not None:
+        if device is not None:
+            raise ValueError(
+                "`gpu` is the older name of `device`: pass one of them. "
+                f"Received: device={device!r}, gpu={gpu!r}"
+            )
+        peaks = gpu_peaks.peaks_of(gpu, "gpu")
+    else:
+        peaks = gpu_peaks.peaks_of(device)
     amp = amp_settings.for_layers(level, dtype, keep_batchnorm_fp32, allow, deny)
     reference = amp_settings.for_layers("O0", amp.half)
     calls = speed_trace.trace(model, x)
@@ -120,8 +133,8 @@ def speed_report(
         for name, amp_, accounts in (("O0", reference, at_o0), (level, amp, at_level))
     }
     times = {
-        "O0, TF32": speed_model.step_seconds(at_o0, memory["O0"], peaks, tf32=True),
-        "O0, float32": speed_model.step_seconds(at_o0, memory["O0"], peaks, tf32=False),
+        "O0, TF32": speed_model.step_seconds(at_o0, memory["O0"], peaks, True, "o0"),
+        "O0, float32": speed_model.step_seconds(at_o0, memory["O0"], peaks, False, "o0"),
         level: speed_model.step_seconds(at_level, memory[level], peaks, tf32=True),
     }
     # Forward and two backward kernels a layer, one a cast, one update a variable.
@@ -129,12 +142,13 @@ def speed_report(
     launches += len(model.trainable_variables)
     launch_seconds = launches * gpu_peaks.LAUNCH_SECONDS
     summary = _summary(
-        level, dtype, peaks, at_level, memory, times, launches, launch_seconds, replicas
-    )
+        level, dtype, peaks, at_level, memory, times, launches, launch_seconds, replicas,
+        _native_half(peaks, dtype),
+    )  # fmt: skip
     summary["advice"] = _advice(at_level, peaks, times[level], launch_seconds, amp.half)
     summary["advice"] += _float8_advice(model, calls, amp, at_level, peaks)
     summary["advice"] = [text for _, text in sorted(summary["advice"], key=lambda e: -e[0])][:8]
-    rows = [_row(a) for a in at_level.values() if a.flops or a.casts]
+    rows = [_row(a, peaks) for a in at_level.values() if a.flops or a.casts]
     text = _render(rows, summary, level, dtype)
     report = SpeedReport(text, rows, summary)
     if print_fn is not None:
@@ -142,7 +156,20 @@ def speed_report(
     return report
 
 
-def _summary(level, dtype, peaks, accounts, memory, times, launches, launch_s, replicas):
+def _native_half(peaks, dtype):
+    """Whether the device computes `dtype`'s matmuls natively (a GPU's
+    tensor cores; a CPU's flags, or no flags known)."""
+    if peaks.kind != "cpu":
+        return True
+    from keras_mp._src.backends import cpu_rates
+
+    flags = cpu_rates.cpu_flags()
+    return not flags or bool(cpu_rates.native(flags, "bfloat16" if dtype == FLOAT8 else dtype))
+
+
+def _summary(
+    level, dtype, peaks, accounts, memory, times, launches, launch_s, replicas, native_half
+):
     flops = sum(a.step_flops for a in accounts.values())
     half = sum(a.step_flops for a in accounts.values() if a.dtype in HALF_DTYPES)
     share = half / flops if flops else 0.0
@@ -152,11 +179,26 @@ def _summary(level, dtype, peaks, accounts, memory, times, launches, launch_s, r
     if fp8:
         in_fp8 = f", {fp8_share:.0%} in FP8"
         if peaks.float8 is None:
-            in_fp8 += f" (no FP8 tensor cores on the {peaks.name}: bfloat16's rate)"
+            where = peaks.name if peaks.kind == "cpu" else f"the {peaks.name}"
+            in_fp8 += f" (no FP8 matmul unit on {where}: bfloat16's rate)"
     bound = times["O0, TF32"] / times[level]
     strict = times["O0, float32"] / times[level]
-    launch_bound = launch_s > times[level]
-    if launch_bound:
+    launch_bound = peaks.kind == "gpu" and launch_s > times[level]
+    if peaks.kind == "cpu":
+        matmul_dtype = "bfloat16" if dtype == FLOAT8 else dtype
+        rate = peaks.matmul_rate(matmul_dtype) / peaks.float32
+        verdict = (
+            f"{level} {dtype} on {peaks.name}: a {matmul_dtype} matmul ran at {rate:.2f}x "
+            f"float32's rate here; at most {bound:.2f}x the float32 step; {share:.0%} of "
+            f"the matmul FLOPs in half{in_fp8}."
+        )
+        if not native_half:
+            verdict += (
+                f" This CPU has no native {matmul_dtype} instructions: it converts to "
+                "float32 to multiply, so expect little or no speed-up (amp_level='auto' "
+                "keeps O0 here)."
+            )
+    elif launch_bound:
         verdict = (
             f"{level} {dtype} on an {peaks.name}: expect no speed-up: a step is "
             f"{launches} kernel launches (~{launch_s * 1e3:.2f} ms) for "
@@ -182,6 +224,7 @@ def _summary(level, dtype, peaks, accounts, memory, times, launches, launch_s, r
         "step_seconds": times,
         "speedup_bound_tf32": bound,
         "speedup_bound_float32": strict,
+        "device_kind": peaks.kind,
         "kernel_launches": launches,
         "launch_seconds": launch_s,
         "launch_bound": launch_bound,
@@ -207,7 +250,7 @@ def _advice(accounts, peaks, step, launch_s, dtype):
     for a in accounts.values():
         kind = type(a.layer).__name__
         bad = speed_trace.misaligned(a.dims)
-        if bad and a.dtype in HALF_DTYPES and a.flops:
+        if bad and a.dtype in HALF_DTYPES and a.flops and peaks.kind == "gpu":
             now = a.step_flops / peaks.matmul_rate(a.dtype, aligned=False)
             padded = a.step_flops / peaks.matmul_rate(a.dtype)
             what = ", ".join(f"{k}={v} -> {-(-v // 8) * 8}" for k, v in bad)
@@ -236,7 +279,7 @@ def _advice(accounts, peaks, step, launch_s, dtype):
                 f"casts in and out of {kind} ({a.dtype})",
             )
     advice = [(seconds, text, names) for seconds, names, text in found.values()]
-    if launch_s > step:
+    if peaks.kind == "gpu" and launch_s > step:
         advice.append(
             (launch_s - step, "a larger batch: the step is bound by its kernel launches", [])
         )
@@ -291,10 +334,12 @@ def _name(layer):
     return layer.path if getattr(layer, "path", None) else layer.name
 
 
-def _row(a):
+def _row(a, peaks):
     bad = speed_trace.misaligned(a.dims)
     if not a.flops:
         cores = "-"
+    elif peaks.kind == "cpu":
+        cores = "n/a (CPU)"
     elif a.matmul == FLOAT8:
         cores = "yes (FP8)"
     elif a.dtype not in HALF_DTYPES:

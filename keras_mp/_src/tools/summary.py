@@ -7,6 +7,7 @@ import keras
 from keras_mp._src.model import wrapping
 from keras_mp._src.precision import fallback
 from keras_mp._src.precision import layer_tree
+from keras_mp._src.precision.policies import auto_choice
 from keras_mp._src.precision.policies import check_model
 from keras_mp._src.precision.policies import rule_of
 from keras_mp._src.tools import table
@@ -59,6 +60,8 @@ def precision_summary(model, print_fn=None):
         absent = float8_gemms_absent()
         if absent is not None:
             lines += ["", f"FP8: {absent}."]
+    if auto_choice(model):
+        lines += ["", auto_choice(model)]
     optimizers = _optimizer_rows(model)
     if optimizers:
         lines += [""] + table.render(

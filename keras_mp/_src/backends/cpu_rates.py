@@ -1,0 +1,119 @@
+"""What this machine's CPU does with each dtype, measured once per process.
+
+Whether bfloat16 is faster than float32 on a CPU depends on the processor
+(AVX512-BF16 on AMD Zen 4 and Intel Cooper Lake, AMX on Sapphire Rapids and
+later; emulated elsewhere) and on what the backend compiles a matmul to
+(oneDNN for TensorFlow and PyTorch, XLA's own CPU emitter for JAX). Flags
+say what the processor has, not what the backend does with it, so
+`amp_level="auto"` and the speed report time it: one matmul in each dtype
+at a size models train at (1024 x 1024 x 1024: BERT-base's projections at
+128 tokens and batch 8), run the way `fit` runs a step's matmuls on this
+backend (`backends.current.timed_matmul`), the fastest of a few runs after
+a warm-up (noise only slows a run down: on a 2-core virtual machine the
+median of five moved by 15 % between processes). A dtype costs at most a
+few tenths of a second, once per process: one the backend emulates slowly
+(PyTorch's bfloat16 without native instructions: about 1 GFLOP/s) is timed
+at `PROBE_SIZE` only.
+
+A CPU whose flags name no native instructions for a half dtype converts it
+to float32 to multiply: its matmul is never faster than float32's there,
+whatever one timing says (a 1024 matmul's float32 rate varied from 78 to
+142 GFLOP/s between processes on a 2-core AMD EPYC without AVX512-BF16,
+so its bfloat16 once timed 1.28x float32's while BERT trained 0.87x as
+fast): `amp_level="auto"` reads the flags first (`auto_level.py`).
+"""
+
+import functools
+import time
+
+import numpy as np
+
+from keras_mp._src import backends
+
+# The matmul's size (m = k = n), and the probe's, timed first: a dtype
+# whose probe says the full size would take longer than PROBE_LIMIT_SECONDS
+# a run keeps the probe's rate.
+SIZE = 1024
+PROBE_SIZE = 256
+PROBE_LIMIT_SECONDS = 0.25
+# Each dtype runs at least MIN_RUNS times after its warm-up, and stops after
+# MAX_RUNS or once its runs took BUDGET_SECONDS.
+MIN_RUNS = 2
+MAX_RUNS = 5
+BUDGET_SECONDS = 0.15
+# The CPU flags of native half matmul instructions (x86's, then Arm's).
+NATIVE = {
+    "bfloat16": ("avx512_bf16", "amx_bf16", "bf16"),
+    "float16": ("avx512_fp16", "amx_fp16", "asimdhp"),
+}
+
+
+@functools.cache
+def matmul_rate(dtype):
+    """FLOP/s of a `SIZE`-cubed matmul in `dtype` on this CPU with this
+    process's backend (measured on the first call, then cached)."""
+    probe = _rate(PROBE_SIZE, dtype)
+    if 2 * SIZE**3 / probe > PROBE_LIMIT_SECONDS:
+        return probe
+    return _rate(SIZE, dtype)
+
+
+def _rate(size, dtype):
+    run = backends.current.timed_matmul(size, dtype)
+    run()  # Compiles it, and warms the caches.
+    seconds = []
+    while len(seconds) < MIN_RUNS or (len(seconds) < MAX_RUNS and sum(seconds) < BUDGET_SECONDS):
+        start = time.perf_counter()
+        run()
+        seconds.append(time.perf_counter() - start)
+    return 2 * size**3 / min(seconds)
+
+
+@functools.cache
+def memory_bandwidth():
+    """Bytes/s a 64 MiB copy reads and writes on this machine's memory."""
+    source = np.ones(16 * 2**20, np.float32)
+    target = np.empty_like(source)
+    np.copyto(target, source)
+    seconds = []
+    for _ in range(3):
+        start = time.perf_counter()
+        np.copyto(target, source)
+        seconds.append(time.perf_counter() - start)
+    return 2 * source.nbytes / min(seconds)
+
+
+@functools.cache
+def cpu_flags():
+    """The flags of /proc/cpuinfo (an empty set where there is none)."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith(("flags", "Features")):
+                    return frozenset(line.split(":", 1)[1].split())
+    except OSError:
+        pass
+    return frozenset()
+
+
+def native_bfloat16(flags):
+    """The native bfloat16 flags among `flags`, sorted."""
+    return native(flags, "bfloat16")
+
+
+def native(flags, dtype):
+    """The flags among `flags` of native `dtype` matmul instructions, sorted."""
+    return sorted(set(flags) & set(NATIVE.get(dtype, ())))
+
+
+@functools.cache
+def cpu_name():
+    """The processor's model name, or "this CPU"."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return "this CPU"
