@@ -55,7 +55,7 @@ def main():
         for option in OPTIONS:
             out = subprocess.run(
                 [sys.executable, "-c", CHILD, str(n)],
-                env={**os.environ, "XLA_FLAGS": option},
+                env={**os.environ, "XLA_FLAGS": option, "JAX_PLATFORMS": "cpu"},
                 capture_output=True,
                 text=True,
             )

@@ -262,9 +262,11 @@ def main(args=None):
             f"{name:14}{accuracy:15.4f}{ms:13.2f} ms{o0_ms / ms:8.2f}x"
             f"{'-' if np.isnan(scale) else f'{scale:g}':>12}"
         )
+    if args.epochs == 1:
+        print("(one epoch: its times include compiling the step; --epochs 2 or more to compare)")
     if device == "CPU":
-        # `auto` times a bfloat16 matmul against float32's on this CPU and
-        # says what it picked, and why.
+        # `auto` reads this CPU's flags, times a bfloat16 matmul against
+        # float32's where they say it could pay, and says what it picked.
         print()
         build_model().compile(optimizer="adam", loss="mse", amp_level="auto")
     # What this machine, and a GPU, would give this model (computed, not timed).

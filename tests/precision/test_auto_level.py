@@ -36,14 +36,32 @@ def test_auto_level_rule(capability, flags, backend, rates, expected):
     level, dtype, reason = auto_level.auto_level_rule(capability, flags, backend, rates)
     assert (level, dtype) == expected
     assert reason and "RESULTS.md" not in reason
-    if rates:
+    native = sorted(set(flags) & {"avx512_bf16", "amx_bf16", "bf16"})
+    if capability is not None:
+        return
+    if flags and not native:
+        assert "no native bfloat16" in reason and "converted to float32" in reason
+    elif rates:
         speedup = rates["bfloat16"] / rates["float32"]
         assert f"{speedup:.2f}x float32's rate" in reason and backend in reason
-        native = sorted(set(flags) & {"avx512_bf16", "amx_bf16", "bf16"})
-        if native:
-            assert f"native bfloat16 ({', '.join(native)})" in reason
-        else:
-            assert "no native bfloat16" in reason
+        assert (
+            f"native bfloat16 ({', '.join(native)})" in reason
+            if native
+            else ("flags unknown" in reason)
+        )
+
+
+def test_auto_with_a_named_dtype_judges_that_dtype():
+    """`amp_dtype="float16"` with `auto` on a CPU with native bfloat16 only:
+    float16 is emulated there, so O0, not bfloat16's O2 applied to float16."""
+    rates = {"float32": 200e9, "float16": 20e9}
+    level, dtype, reason = auto_level.auto_level_rule(
+        None, {"avx512_bf16"}, "tensorflow", rates, "float16"
+    )
+    assert level == "O0" and "no native float16" in reason
+    fp16 = {"float32": 200e9, "float16": 900e9}
+    level, dtype, reason = auto_level.auto_level_rule(None, {"amx_fp16"}, "torch", fp16, "float16")
+    assert (level, dtype) == ("O2", "float16") and "4.50x" in reason
 
 
 def test_the_machine_gets_a_level_of_the_rule():
@@ -60,6 +78,9 @@ def test_auto_says_what_it_picked_in_precision_summary():
     text = keras_mp.precision_summary(model).text
     assert f"amp_level='auto' picked {level}" in text and reason in text
     model.compile(optimizer="adam", loss="mse", amp_level="O2", amp_dtype="bfloat16")
+    assert "amp_level='auto'" not in keras_mp.precision_summary(model).text
+    model.compile(optimizer="adam", loss="mse", amp_level="auto")
+    keras_mp.to_float(model, "bfloat16")
     assert "amp_level='auto'" not in keras_mp.precision_summary(model).text
 
 

@@ -51,9 +51,24 @@ def table(text):
 
 
 def ratio(cell):
-    """The speed-up a cell gives (`"2.53"`, `"1.14x"`, `"557.5 (1.77)"`), or None."""
-    found = re.search(r"\((\d+\.\d+)\)", cell) or re.fullmatch(r"(\d+\.\d+)x?", cell)
-    return float(found.group(1)) if found else None
+    """The speed-up a cell gives (`"2.53"`, `"1.14x"`, `"9x"`, `"557.5 (1.77)"`),
+    None for an empty cell or one that says why there is none (`"n/a: ..."`);
+    anything else fails: a cell this test cannot read is a row it would skip."""
+    cell = cell.strip()
+    if not cell or cell.startswith("n/a"):
+        return None
+    found = re.search(r"\((\d+(?:\.\d+)?)\)$", cell) or re.fullmatch(
+        r"(\d+(?:\.\d+)?)\s*[x×]?", cell
+    )
+    assert found, f"a speed-up cell this test cannot read: {cell!r}"
+    return float(found.group(1))
+
+
+def section(found, start):
+    """The text of the README section whose heading starts with `start`."""
+    texts = [text for heading, text in found.items() if heading.startswith(start)]
+    assert len(texts) == 1, f"benchmarks/README.md needs one section '{start}...'"
+    return texts[0]
 
 
 def gpu_of(text):
@@ -67,10 +82,14 @@ def measured_rows():
     of each measured speed-up over O0 the README reports."""
     found = sections()
     rows = []
-    real = next(t for h, t in found.items() if h.startswith("How far from 2x float32"))
+    real = section(found, "How far from 2x float32")
     batches = {"gemma": 16, "resnet50": 128}
     for row in table(real):
         match = LEVEL.match(row["configuration"])
+        speedups = [ratio(row[c]) for c in ("over O0", "over strict float32")]
+        if row["configuration"].startswith(("O1", "O2", "O3")) and any(speedups):
+            # A keras_mp level's speed-up: this test must be able to check it.
+            assert match and row["model"] in batches, f"a row the bound cannot check: {row}"
         if not match or row["model"] not in batches:
             continue
         where = f"real models: {row['backend']} {row['model']} {row['configuration']}"
@@ -82,10 +101,11 @@ def measured_rows():
             if ratio(row[column]) is not None:
                 args = (gpu_of(real), row["model"], batch, level, dtype, ratio(row[column]), kind)
                 rows.append((where + f" ({column})", *args))
-    levels = found["How fast is each level? (GPU)"]
+    levels = section(found, "How fast is each level? (GPU)")
     for row in table(levels):
         match = LEVEL.match(row["configuration"])
         if not match:
+            assert row["configuration"].startswith("Keras "), f"a row the bound cannot check: {row}"
             continue
         for column, cell in row.items():
             if column == "configuration" or ratio(cell) is None:
@@ -97,7 +117,7 @@ def measured_rows():
                 (f"levels (GPU): {column} {row['configuration']}", gpu_of(levels), model,
                  batch, *match.groups(), ratio(cell), kind)
             )  # fmt: skip
-    same = found["Is O2 float16 as fast as Keras's mixed_float16? (GPU)"]
+    same = section(found, "Is O2 float16 as fast as Keras's mixed_float16? (GPU)")
     for row in table(same):
         for config in ("O2 float16", "O2 bfloat16"):
             if ratio(row.get(config, "")) is not None:
@@ -107,7 +127,7 @@ def measured_rows():
                      gpu_of(same), row["model"], batch, *config.split(), ratio(row[config]),
                      "tf32")
                 )  # fmt: skip
-    cpu = next(t for h, t in found.items() if h.startswith("Does bfloat16 pay on a CPU?"))
+    cpu = section(found, "Does bfloat16 pay on a CPU?")
     for row in table(cpu):
         rates = next(v for k, v in row.items() if k.startswith("matmul GFLOP/s"))
         float32, bfloat16 = (float(n) * 1e9 for n in NUMBER.findall(rates))
@@ -155,8 +175,14 @@ def bounds(device, name, batch, level, dtype):
 def test_the_readme_has_rows_of_every_kind():
     rows = measured_rows()
     assert {r[2] for r in rows} >= {"gemma", "resnet50", "mlp_large", "transformer_large"}
-    assert any(r[0].startswith("CPU:") for r in rows)
-    assert len(rows) >= 30
+    assert {r[2] for r in rows if r[0].startswith("CPU:")} == {"bert", "gpt2", "resnet50"}
+
+
+def test_a_cell_it_cannot_read_fails_instead_of_being_skipped():
+    assert ratio("1.16x") == 1.16 and ratio("9x") == 9 and ratio("557.5 (1.77)") == 1.77
+    assert ratio("") is None and ratio("n/a: bfloat16 matmul 1.2 GFLOP/s") is None
+    with pytest.raises(AssertionError, match="cannot read"):
+        ratio("faster")
 
 
 @pytest.mark.parametrize("row", measured_rows(), ids=lambda r: r[0])

@@ -146,6 +146,7 @@ def test_without_a_gpu_it_reports_for_this_cpu():
     tensor-core advice."""
     from keras_mp._src import backends
     from keras_mp._src.backends import cpu_rates
+    from keras_mp._src.tools import gpu_peaks
 
     if backends.current.gpu_name() is not None:
         pytest.skip("this machine has a GPU: the default reports for it")
@@ -160,7 +161,9 @@ def test_without_a_gpu_it_reports_for_this_cpu():
         assert not summary["launch_bound"]
         bound = summary["speedup_bound_tf32"]
         assert bound == summary["speedup_bound_float32"] > 1  # no TF32 on a CPU
-        rate = cpu_rates.matmul_rate(dtype) / cpu_rates.matmul_rate("float32")
+        # The rates `fit` multiplies at (float16 is float32 on PyTorch's CPU).
+        peaks = gpu_peaks.this_cpu()
+        rate = peaks.matmul_rate(dtype) / peaks.float32
         assert f"a {dtype} matmul ran at {rate:.2f}x float32's rate" in report.verdict
         assert f"at most {bound:.2f}x" in report.verdict
         lacks = bool(cpu_rates.cpu_flags()) and not cpu_rates.native(cpu_rates.cpu_flags(), dtype)
@@ -175,15 +178,25 @@ def test_an_emulated_half_dtype_is_bounded_at_float32s_rate():
     bound never charges half below float32; a native one (3x) lifts it."""
     from keras_mp._src.tools import gpu_peaks
 
-    slow = gpu_peaks.Peaks("a CPU", 1e9, 1e9, None, 1e11, 2e10, kind="cpu")
-    fast = gpu_peaks.Peaks("a CPU", 3e11, 3e11, None, 1e11, 2e10, kind="cpu")
+    slow = gpu_peaks.Peaks("a CPU", 1e9, 1e9, None, 1e11, 2e10, kind="cpu", native=())
+    fast = gpu_peaks.Peaks("a CPU", 3e11, 3e11, None, 1e11, 2e10, kind="cpu", native=("bfloat16",))
     model = keras.Sequential([keras.Input((1024,)), L.Dense(1024), L.Dense(1024)])
     x = keras.KerasTensor((512, 1024), "float32")
     slower = keras_mp.speed_report(model, x, "O2", "bfloat16", device=slow).summary
     faster = keras_mp.speed_report(model, x, "O2", "bfloat16", device=fast).summary
-    assert 1.0 < slower["speedup_bound_tf32"] < 2.5
-    assert "0.01x float32's rate" in slower["verdict"]
+    assert 1.0 < slower["speedup_bound_tf32"] < 2.5  # O0_ATTAINED["cpu"]: 2x at most
+    assert "0.01x float32's rate" in slower["verdict"] and "no native bfloat16" in slower["verdict"]
     assert slower["speedup_bound_tf32"] * 1.5 < faster["speedup_bound_tf32"] < 7.0
+    assert "no native" not in faster["verdict"]  # judged by the Peaks' own flags
+    # O0 against itself: no speed-up, whatever the calibration of float32.
+    # (Its strict bound on a GPU is TF32's own gain: O0 with TF32 on, as
+    # the backend runs it, against O0 with it off.)
+    for device in ("H100", slow):
+        same = keras_mp.speed_report(model, x, "O0", "float16", device=device).summary
+        assert same["speedup_bound_tf32"] == pytest.approx(1.0)
+    assert same["speedup_bound_float32"] == pytest.approx(1.0)
+    with pytest.raises(ValueError, match="`kind` must be 'gpu' or 'cpu'. Received: kind='CPU'"):
+        gpu_peaks.Peaks("a CPU", 1e9, 1e9, None, 1e11, 2e10, kind="CPU")
 
 
 @pytest.mark.parametrize(

@@ -224,7 +224,7 @@ def for_compile(
     deny = check_layer_list(amp_deny, "amp_deny")
     auto = None
     if amp_level == "auto":
-        name, auto_dtype, reason = pick_auto_level()
+        name, auto_dtype, reason = pick_auto_level(given_half)
         level = get_level(name)
         half = given_half or auto_dtype
         if level.computes_in_half:

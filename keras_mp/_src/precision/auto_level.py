@@ -10,61 +10,70 @@ from keras_mp._src.backends import cpu_rates
 CPU_BFLOAT16_MIN_SPEEDUP = 1.2
 
 
-def pick_auto_level():
-    """(level, dtype, reason) for `amp_level="auto"` on this machine."""
+def pick_auto_level(dtype=None):
+    """(level, dtype, reason) for `amp_level="auto"` on this machine; `dtype`:
+    the half dtype the user named (`amp_dtype=`), or None."""
     try:
         capability = backends.current.gpu_compute_capability()
     except Exception:  # No usable GPU runtime: treat as a CPU machine.
         capability = None
+    flags = cpu_rates.cpu_flags()
+    half = dtype or "bfloat16"
     rates = None
-    if capability is None:
-        rates = {dtype: cpu_rates.matmul_rate(dtype) for dtype in ("float32", "bfloat16")}
-    return auto_level_rule(capability, cpu_rates.cpu_flags(), backends.current.NAME, rates)
+    # Time the matmuls only where they decide: a CPU whose flags name no
+    # native instructions for the dtype converts it to float32 anyway.
+    if capability is None and (not flags or cpu_rates.native(flags, half)):
+        rates = {d: cpu_rates.matmul_rate(d) for d in ("float32", half)}
+    return auto_level_rule(capability, flags, backends.current.NAME, rates, dtype)
 
 
-def auto_level_rule(gpu_capability, cpu_flags, backend, cpu_matmul_rates=None):
+def auto_level_rule(gpu_capability, cpu_flags, backend, cpu_matmul_rates=None, dtype=None):
     """The rule of `amp_level="auto"`, from the machine's facts.
 
     - A GPU with tensor cores (compute capability >= 7.0): O2 in float16,
       with dynamic loss scaling; bfloat16 where the GPU has it natively (>= 8.0)
       needs no scaling, but float16 is the common baseline.
-    - A CPU: O2 in bfloat16 where its flags name native bfloat16
-      (AVX512-BF16, AMX; Arm's BF16; no flags known: the timing alone) and
-      a bfloat16 matmul measured at least `CPU_BFLOAT16_MIN_SPEEDUP` times
+    - A CPU: O2 in bfloat16 (or the `dtype` named) where its flags name
+      native instructions for it (bfloat16: AVX512-BF16, AMX, Arm's BF16;
+      float16: AVX512-FP16, AMX-FP16; no flags known: the timing alone) and
+      its matmul measured at least `CPU_BFLOAT16_MIN_SPEEDUP` times
       float32's rate with this backend (`cpu_rates.py`: the backend uses
-      the instructions), else O0 (float16 is emulated on most CPUs: never
-      picked).
+      the instructions), else O0.
 
     Args:
         gpu_capability: `(major, minor)` of the first GPU, or None.
-        cpu_flags: set of /proc/cpuinfo flags.
+        cpu_flags: set of /proc/cpuinfo flags (empty: not known).
         backend: "tensorflow", "jax" or "torch".
-        cpu_matmul_rates: on a CPU, `{"float32": FLOP/s, "bfloat16": FLOP/s}`
-            of a matmul measured with `backend` (`cpu_rates.matmul_rate`).
+        cpu_matmul_rates: on a CPU, `{"float32": FLOP/s, dtype: FLOP/s}` of
+            a matmul measured with `backend` (`cpu_rates.matmul_rate`); None
+            where nothing was timed.
+        dtype: the half dtype the user named, or None (bfloat16 on a CPU).
     """
     if gpu_capability is not None:
         major, minor = gpu_capability
         if gpu_capability >= (7, 0):
             return "O2", "float16", f"GPU with tensor cores (compute capability {major}.{minor})"
         return "O0", "float16", f"GPU without tensor cores (compute capability {major}.{minor})"
-    native = cpu_rates.native_bfloat16(cpu_flags)
-    has = (
-        f"native bfloat16 ({', '.join(native)})"
-        if native
-        else "no native bfloat16 (AVX512-BF16 or AMX)"
-    )
+    half = dtype or "bfloat16"
+    native = cpu_rates.native(cpu_flags, half)
+    names = {"bfloat16": "AVX512-BF16, AMX or BF16", "float16": "AVX512-FP16 or AMX-FP16"}
+    if not cpu_flags:
+        has = "this CPU's flags unknown"
+    elif native:
+        has = f"native {half} ({', '.join(native)})"
+    else:
+        has = f"no native {half} ({names.get(half, half)})"
+    if cpu_flags and not native:
+        return "O0", "float16", f"CPU with {has}: {half} is converted to float32 to multiply here"
     if not cpu_matmul_rates:
         return "O0", "float16", f"CPU with {has}: nothing measured with {backend}"
-    speedup = cpu_matmul_rates["bfloat16"] / cpu_matmul_rates["float32"]
+    speedup = cpu_matmul_rates[half] / cpu_matmul_rates["float32"]
     measured = (
-        f"a bfloat16 matmul ran at {speedup:.2f}x float32's rate on this CPU with "
+        f"a {half} matmul ran at {speedup:.2f}x float32's rate on this CPU with "
         f"{backend} (measured; {has})"
     )
-    if cpu_flags and not native:
-        # Converted to float32 to multiply: a faster timing is noise.
-        return "O0", "float16", f"{measured}: bfloat16 is converted to float32 here"
     if speedup >= CPU_BFLOAT16_MIN_SPEEDUP:
-        return "O2", "bfloat16", measured
+        return "O2", half, measured
     return "O0", "float16", f"{measured}, too little for half precision to pay"
 
 

@@ -17,11 +17,12 @@ the float32 (CUDA-core) rate, what half arithmetic reaches without them.
 a step's kernels run longer than it takes to launch them.
 
 `O0_ATTAINED`: the bound is a bound on the speed-up, so it takes the
-level's matmuls at their peak and O0's float32 matmuls no faster than the
-smallest fraction of their peak that measurements reached: on an H100
-(`benchmarks/README.md`) O0's TF32 matmuls ran at 23 % of TF32's peak
-(Gemma, where bfloat16's reached 29 % of theirs) and 12 % (ResNet50's
-convolutions), strict float32 at 50 % and 29 %.
+level's half matmuls at their peak and float32 matmuls (O0's, and those
+the level keeps) at a fraction of their peak below what measured steps
+reached: on an H100 (`benchmarks/README.md`) O0's step ran TF32 matmuls at
+23 % of TF32's peak on the Gemma (matmul-bound; bfloat16's reached 29 % of
+theirs) and 12 % on ResNet50 (most of its step outside matmuls), strict
+float32 at 50 % and 29 %: TF32 counts at 20 %, strict float32 at 25 %.
 
 A CPU (`this_cpu`) has no peak table: its rates are those `cpu_rates.py`
 measured with this process's backend, and a half dtype's matmul counts at
@@ -34,6 +35,7 @@ step's other work, which halves its bytes, is more than its matmuls.
 """
 
 import dataclasses
+import re
 
 
 @dataclasses.dataclass(frozen=True)
@@ -46,6 +48,13 @@ class Peaks:
     bandwidth: float  # bytes/s
     float8: object = None  # None: no FP8 tensor cores
     kind: str = "gpu"  # or "cpu": measured rates, no tensor cores
+    # A CPU's half dtypes with native matmul instructions (from its flags),
+    # or None: not known (every dtype judged by its rate).
+    native: object = None
+
+    def __post_init__(self):
+        if self.kind not in ("gpu", "cpu"):
+            raise ValueError(f"`kind` must be 'gpu' or 'cpu'. Received: kind={self.kind!r}")
 
     def matmul_rate(self, dtype, tf32=False, aligned=True):
         """FLOP/s of a matmul computing in `dtype` (`tf32`: float32 matmuls
@@ -115,18 +124,23 @@ def peaks_of(device, argument="device"):
 
 
 def this_machine():
-    """The `Peaks` of the GPU this backend sees where `GPUS` knows its name,
-    else of this machine's CPU."""
+    """The `Peaks` of the GPU this backend sees (one `GPUS` names exactly:
+    an H100 PCIe or an L40S is not in the table, and gets the H100's
+    peaks under its own name), else of this machine's CPU."""
     from keras_mp._src import backends
 
     try:
         name = backends.current.gpu_name()
     except Exception:  # No usable GPU runtime.
         name = None
-    for known in GPUS:
-        if name and known in name.upper():
-            return GPUS[known]
-    return this_cpu()
+    if not name:
+        return this_cpu()
+    for known, peaks in GPUS.items():
+        if re.search(rf"\b{known}\b(?!\s*(PCIe|NVL))", name, re.IGNORECASE):
+            return peaks
+    return dataclasses.replace(
+        GPUS["H100"], name=f"{name} (not in the table: an H100 SXM's peaks; pass device=)"
+    )
 
 
 def this_cpu():
@@ -135,14 +149,21 @@ def this_cpu():
     from keras_mp._src import backends
     from keras_mp._src.backends import cpu_rates
 
-    native = cpu_rates.native_bfloat16(cpu_rates.cpu_flags())
+    flags = cpu_rates.cpu_flags()
+    native = cpu_rates.native_bfloat16(flags)
+    float32 = cpu_rates.matmul_rate("float32")
+    # Keras's PyTorch backend multiplies float16 in float32 on a CPU.
+    computes_float16 = backends.current.computes_half_matmuls("float16")
     return Peaks(
         f"{cpu_rates.cpu_name()} ({', '.join(native) or 'no native bfloat16'}) "
         f"with {backends.current.NAME}",
-        float16=cpu_rates.matmul_rate("float16"),
+        float16=cpu_rates.matmul_rate("float16") if computes_float16 else float32,
         bfloat16=cpu_rates.matmul_rate("bfloat16"),
         tf32=None,
-        float32=cpu_rates.matmul_rate("float32"),
+        float32=float32,
         bandwidth=cpu_rates.memory_bandwidth(),
         kind="cpu",
+        native=tuple(d for d in ("float16", "bfloat16") if cpu_rates.native(flags, d))
+        if flags
+        else None,
     )

@@ -204,22 +204,21 @@ def memory(model, amp, slots, replicas, shard, accounts, moment_dtypes=None):
     }
 
 
-def layer_seconds(account, peaks, tf32, rates="bound"):
-    """A layer's roofline time: its matmul FLOPs at the rate `rates` names
-    (`"bound"`: the level's at their peak; `"o0"`: O0's float32 matmuls at
-    the rate measurements reached, `Peaks.o0_rate`) against the bytes it
-    moves."""
+def layer_seconds(account, peaks, tf32):
+    """A layer's roofline time: its matmul FLOPs (half ones at their peak,
+    float32 ones at the rate measurements reached, `Peaks.o0_rate`, at O0
+    and at the level alike) against the bytes it moves."""
     aligned = not speed_trace.misaligned(account.dims)
     dtype = account.matmul or account.dtype
-    if rates == "o0" and dtype == "float32":
+    if dtype == "float32":
         rate = peaks.o0_rate(tf32)
     else:
         rate = peaks.bound_rate(dtype, tf32=tf32, aligned=aligned)
     return max(account.step_flops / rate, account.moved / peaks.bandwidth)
 
 
-def step_seconds(accounts, bytes_, peaks, tf32, rates="bound"):
-    layers = sum(layer_seconds(a, peaks, tf32, rates) for a in accounts.values())
+def step_seconds(accounts, bytes_, peaks, tf32):
+    layers = sum(layer_seconds(a, peaks, tf32) for a in accounts.values())
     casts = sum(a.cast_bytes for a in accounts.values()) / peaks.bandwidth
     # The update reads and writes weights and state, and reads the gradients.
     update = (3 * bytes_["weights"] + 2 * bytes_["optimizer"]) / peaks.bandwidth

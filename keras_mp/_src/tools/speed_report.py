@@ -133,8 +133,8 @@ def speed_report(
         for name, amp_, accounts in (("O0", reference, at_o0), (level, amp, at_level))
     }
     times = {
-        "O0, TF32": speed_model.step_seconds(at_o0, memory["O0"], peaks, True, "o0"),
-        "O0, float32": speed_model.step_seconds(at_o0, memory["O0"], peaks, False, "o0"),
+        "O0, TF32": speed_model.step_seconds(at_o0, memory["O0"], peaks, tf32=True),
+        "O0, float32": speed_model.step_seconds(at_o0, memory["O0"], peaks, tf32=False),
         level: speed_model.step_seconds(at_level, memory[level], peaks, tf32=True),
     }
     # Forward and two backward kernels a layer, one a cast, one update a variable.
@@ -157,14 +157,11 @@ def speed_report(
 
 
 def _native_half(peaks, dtype):
-    """Whether the device computes `dtype`'s matmuls natively (a GPU's
-    tensor cores; a CPU's flags, or no flags known)."""
-    if peaks.kind != "cpu":
+    """Whether the device computes `dtype`'s matmuls natively: a GPU's
+    tensor cores; a CPU's flags (`Peaks.native`; None: not known)."""
+    if peaks.kind != "cpu" or peaks.native is None:
         return True
-    from keras_mp._src.backends import cpu_rates
-
-    flags = cpu_rates.cpu_flags()
-    return not flags or bool(cpu_rates.native(flags, "bfloat16" if dtype == FLOAT8 else dtype))
+    return ("bfloat16" if dtype == FLOAT8 else dtype) in peaks.native
 
 
 def _summary(
@@ -195,8 +192,12 @@ def _summary(
         if not native_half:
             verdict += (
                 f" This CPU has no native {matmul_dtype} instructions: it converts to "
-                "float32 to multiply, so expect little or no speed-up (amp_level='auto' "
-                "keeps O0 here)."
+                "float32 to multiply, so expect little or no speed-up"
+                + (
+                    "; it has native bfloat16 (amp_dtype='bfloat16')."
+                    if "bfloat16" in (peaks.native or ())
+                    else "."
+                )
             )
     elif launch_bound:
         verdict = (
