@@ -1,6 +1,7 @@
 """`compile(amp_level=...)`: the keyword, the function, saving, bad input."""
 
 import inspect
+import re
 
 import keras
 import numpy as np
@@ -276,7 +277,8 @@ def test_auto_says_what_it_picked(capsys):
     assert level in keras_mp.LEVELS
     if level == "O0":
         assert "amp_level='auto' picked O0 (float32 everywhere): " in printed
-        assert "float16" not in printed and "amp_level='O2'" in printed
+        # Its reason may name bfloat16 (what it timed), never float16.
+        assert not re.search(r"\bfloat16\b", printed) and "amp_level='O2'" in printed
     else:
         dtype = model.get_compile_config()["amp_dtype"]
         assert f"amp_level='auto' picked {level} in {dtype}: " in printed

@@ -76,6 +76,11 @@ class Peaks:
             return self.tf32
         return self.float32
 
+    def native_half(self, dtype):
+        """Whether the device multiplies `dtype` natively: a GPU's tensor
+        cores; a CPU's flags (`native`; None: not known)."""
+        return self.kind != "cpu" or self.native is None or dtype in self.native
+
     def o0_rate(self, tf32):
         """FLOP/s the bound charges O0's float32 matmuls at (`O0_ATTAINED`)."""
         if self.kind == "cpu":

@@ -143,7 +143,7 @@ def speed_report(
     launch_seconds = launches * gpu_peaks.LAUNCH_SECONDS
     summary = _summary(
         level, dtype, peaks, at_level, memory, times, launches, launch_seconds, replicas,
-        _native_half(peaks, dtype),
+        peaks.native_half("bfloat16" if dtype == FLOAT8 else dtype),
     )  # fmt: skip
     summary["advice"] = _advice(at_level, peaks, times[level], launch_seconds, amp.half)
     summary["advice"] += _float8_advice(model, calls, amp, at_level, peaks)
@@ -154,14 +154,6 @@ def speed_report(
     if print_fn is not None:
         print_fn(report.text)
     return report
-
-
-def _native_half(peaks, dtype):
-    """Whether the device computes `dtype`'s matmuls natively: a GPU's
-    tensor cores; a CPU's flags (`Peaks.native`; None: not known)."""
-    if peaks.kind != "cpu" or peaks.native is None:
-        return True
-    return ("bfloat16" if dtype == FLOAT8 else dtype) in peaks.native
 
 
 def _summary(
