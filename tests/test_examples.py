@@ -60,7 +60,11 @@ def test_main_job_shows_the_scale_the_skip_and_both_levels(capsys):
     for name in ("O2 float16", "O2 bfloat16"):
         speedup = float(rows["O0 float32"][2]) / float(rows[name][2])
         assert abs(float(rows[name][3]) - speedup) < 0.02, out
-    assert re.search(r"keras_mp: amp_level='auto' picked O[02] .*: a bfloat16 matmul ran at", out)
+    assert re.search(
+        r"keras_mp: amp_level='auto' picked O[02] .*"
+        r"(a bfloat16 matmul ran at|bfloat16 is converted to float32)",
+        out,
+    ), out
     assert "Speed report (this machine): O2 bfloat16 on " in out and "a bfloat16 matmul ran" in out
     assert "Speed report (H100): O2 float16 on an NVIDIA H100 SXM" in out
 
