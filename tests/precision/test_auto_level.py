@@ -60,8 +60,17 @@ def test_auto_with_a_named_dtype_judges_that_dtype():
     )
     assert level == "O0" and "no native float16" in reason
     fp16 = {"float32": 200e9, "float16": 900e9}
-    level, dtype, reason = auto_level.auto_level_rule(None, {"amx_fp16"}, "torch", fp16, "float16")
+    level, dtype, reason = auto_level.auto_level_rule(None, {"amx_fp16"}, "jax", fp16, "float16")
     assert (level, dtype) == ("O2", "float16") and "4.50x" in reason
+    # Keras's PyTorch backend multiplies float16 in float32 on a CPU.
+    level, _, reason = auto_level.auto_level_rule(
+        None, {"amx_fp16"}, "torch", fp16, "float16", computes_half=False
+    )
+    assert level == "O0" and "multiplies float16 in float32" in reason
+    # A GPU without bfloat16 tensor cores (a T4, 7.5) and bfloat16 named.
+    level, _, reason = auto_level.auto_level_rule((7, 5), set(), "jax", None, "bfloat16")
+    assert level == "O0" and "without bfloat16 tensor cores" in reason
+    assert auto_level.auto_level_rule((8, 0), set(), "jax", None, "bfloat16")[0] == "O2"
 
 
 def test_the_machine_gets_a_level_of_the_rule():
@@ -81,6 +90,9 @@ def test_auto_says_what_it_picked_in_precision_summary():
     assert "amp_level='auto'" not in keras_mp.precision_summary(model).text
     model.compile(optimizer="adam", loss="mse", amp_level="auto")
     keras_mp.to_float(model, "bfloat16")
+    assert "amp_level='auto'" not in keras_mp.precision_summary(model).text
+    model.compile(optimizer="adam", loss="mse", amp_level="auto")
+    keras_mp.to_float(model.layers[0], "bfloat16")  # a layer inside
     assert "amp_level='auto'" not in keras_mp.precision_summary(model).text
 
 

@@ -46,6 +46,31 @@ def test_the_cpu_is_measured_and_the_bound_never_charges_half_below_float32():
     assert fast.bound_rate("bfloat16") == fast.matmul_rate("bfloat16") == 3e11
 
 
+@pytest.mark.parametrize(
+    "name, expected",
+    [
+        ("NVIDIA H100 80GB HBM3", "NVIDIA H100 SXM"),
+        ("NVIDIA L4", "NVIDIA L4"),
+        ("NVIDIA L40S", "NVIDIA L40S (not in the table"),
+        ("NVIDIA GH200 480GB", "NVIDIA GH200 480GB (not in the table"),
+        ("NVIDIA H100 PCIe", "NVIDIA H100 PCIe (not in the table"),
+        ("NVIDIA A100-PCIE-40GB", "NVIDIA A100-PCIE-40GB (not in the table"),
+        ("NVIDIA A100 80GB PCIe", "NVIDIA A100 80GB PCIe (not in the table"),
+        ("NVIDIA A100-SXM4-80GB", "NVIDIA A100 SXM 80GB"),
+        ("Tesla V100-SXM2-16GB", "Tesla V100-SXM2-16GB (not in the table"),
+    ],
+)
+def test_this_machines_gpu_is_matched_by_its_exact_name(name, expected):
+    assert gpu_peaks.gpu_of_name(name).name.startswith(expected)
+
+
+def test_native_must_name_half_dtypes():
+    with pytest.raises(ValueError, match="`native` must be None or a tuple"):
+        gpu_peaks.Peaks("a CPU", 1e9, 1e9, None, 1e11, 2e10, kind="cpu", native="bfloat16")
+    with pytest.raises(ValueError, match="Received: native=\\('avx512_bf16',\\)"):
+        gpu_peaks.Peaks("a CPU", 1e9, 1e9, None, 1e11, 2e10, kind="cpu", native=("avx512_bf16",))
+
+
 def test_o0_is_charged_at_what_measurements_reached():
     h100 = gpu_peaks.peaks_of("H100")
     assert h100.o0_rate(tf32=True) == 495e12 * gpu_peaks.O0_ATTAINED["tf32"]

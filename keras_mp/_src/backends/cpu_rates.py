@@ -35,7 +35,7 @@ from keras_mp._src import backends
 # whose probe says the full size would take longer than PROBE_LIMIT_SECONDS
 # a run keeps the probe's rate.
 SIZE = 1024
-PROBE_SIZE = 256
+PROBE_SIZE = 512
 PROBE_LIMIT_SECONDS = 0.25
 # Each dtype runs at least MIN_RUNS times after its warm-up, and stops after
 # MAX_RUNS or once its runs took BUDGET_SECONDS.
@@ -67,8 +67,10 @@ def _measure(dtype):
     if dtype != "float32":
         # A half dtype the backend emulates (PyTorch's bfloat16 without
         # AVX512-BF16: about 1 GFLOP/s) keeps the probe's rate. float32 is
-        # never probed: a fixed cost per call (threads waking on a loaded
-        # machine: ~16 ms) makes a small matmul's rate read far too low.
+        # never probed, and the probe is 512: a fixed cost per call (threads
+        # waking on a loaded machine: ~16 ms) makes a small matmul read far
+        # too low (a native 300 GFLOP/s read 2 at 256, 16 at 512: still
+        # timed in full; the emulated 1.2 still kept).
         probe = _rate(PROBE_SIZE, dtype)
         if 2 * SIZE**3 / probe > PROBE_LIMIT_SECONDS:
             return probe

@@ -22,12 +22,15 @@ def pick_auto_level(dtype=None):
     rates = None
     # Time the matmuls only where they decide: a CPU whose flags name no
     # native instructions for the dtype converts it to float32 anyway.
-    if capability is None and (not flags or cpu_rates.native(flags, half)):
+    computes = capability is not None or backends.current.computes_half_matmuls(half)
+    if capability is None and computes and (not flags or cpu_rates.native(flags, half)):
         rates = {d: cpu_rates.matmul_rate(d) for d in ("float32", half)}
-    return auto_level_rule(capability, flags, backends.current.NAME, rates, dtype)
+    return auto_level_rule(capability, flags, backends.current.NAME, rates, dtype, computes)
 
 
-def auto_level_rule(gpu_capability, cpu_flags, backend, cpu_matmul_rates=None, dtype=None):
+def auto_level_rule(
+    gpu_capability, cpu_flags, backend, cpu_matmul_rates=None, dtype=None, computes_half=True
+):
     """The rule of `amp_level="auto"`, from the machine's facts.
 
     - A GPU with tensor cores (compute capability >= 7.0): O2 in float16,
@@ -48,21 +51,35 @@ def auto_level_rule(gpu_capability, cpu_flags, backend, cpu_matmul_rates=None, d
             a matmul measured with `backend` (`cpu_rates.matmul_rate`); None
             where nothing was timed.
         dtype: the half dtype the user named, or None (bfloat16 on a CPU).
+        computes_half: whether Keras's matmuls compute in that dtype with
+            this backend on this device (PyTorch's CPU: float16 runs in
+            float32).
     """
     if gpu_capability is not None:
         major, minor = gpu_capability
+        if dtype == "bfloat16" and gpu_capability < (8, 0):
+            return (
+                "O0",
+                "bfloat16",
+                (
+                    f"GPU without bfloat16 tensor cores (compute capability {major}.{minor}; "
+                    "Ampere, 8.0, and later have them)"
+                ),
+            )
         if gpu_capability >= (7, 0):
             return "O2", "float16", f"GPU with tensor cores (compute capability {major}.{minor})"
         return "O0", "float16", f"GPU without tensor cores (compute capability {major}.{minor})"
     half = dtype or "bfloat16"
     native = cpu_rates.native(cpu_flags, half)
-    names = {"bfloat16": "AVX512-BF16, AMX or BF16", "float16": "AVX512-FP16 or AMX-FP16"}
+    names = {"bfloat16": "AVX512-BF16, AMX or BF16", "float16": "AVX512-FP16, AMX-FP16 or FP16"}
     if not cpu_flags:
         has = "this CPU's flags unknown"
     elif native:
         has = f"native {half} ({', '.join(native)})"
     else:
         has = f"no native {half} ({names.get(half, half)})"
+    if not computes_half:
+        return "O0", "float16", f"Keras's {backend} backend multiplies {half} in float32 on a CPU"
     if cpu_flags and not native:
         return "O0", "float16", f"CPU with {has}: {half} is converted to float32 to multiply here"
     if not cpu_matmul_rates:

@@ -55,6 +55,13 @@ class Peaks:
     def __post_init__(self):
         if self.kind not in ("gpu", "cpu"):
             raise ValueError(f"`kind` must be 'gpu' or 'cpu'. Received: kind={self.kind!r}")
+        if self.native is not None and (
+            isinstance(self.native, str) or not set(self.native) <= {"float16", "bfloat16"}
+        ):
+            raise ValueError(
+                "`native` must be None or a tuple of 'float16' and 'bfloat16'. "
+                f"Received: native={self.native!r}"
+            )
 
     def matmul_rate(self, dtype, tf32=False, aligned=True):
         """FLOP/s of a matmul computing in `dtype` (`tf32`: float32 matmuls
@@ -112,7 +119,8 @@ GPUS = {
 def peaks_of(device, argument="device"):
     """The `Peaks` of a device: a GPU named as in `GPUS` (any case), `"cpu"`
     (this machine's, measured), a `Peaks`, or None: this machine's first
-    GPU where its name is in `GPUS`, else its CPU."""
+    GPU (the H100's peaks under its own name where `GPUS` does not name it
+    exactly), else its CPU."""
     if isinstance(device, Peaks):
         return device
     if device is None:
@@ -138,10 +146,16 @@ def this_machine():
         name = backends.current.gpu_name()
     except Exception:  # No usable GPU runtime.
         name = None
-    if not name:
-        return this_cpu()
+    return gpu_of_name(name) if name else this_cpu()
+
+
+def gpu_of_name(name):
+    """The `Peaks` of a GPU as its driver names it: `GPUS`' entry where the
+    name is exactly one of them (an L40S is not an L4, an H100 PCIe not the
+    SXM), else the H100's peaks under the GPU's own name."""
+    board = re.search(r"PCIE|NVL", name, re.IGNORECASE)  # not the SXM of the table
     for known, peaks in GPUS.items():
-        if re.search(rf"\b{known}\b(?!\s*(PCIe|NVL))", name, re.IGNORECASE):
+        if not board and re.search(rf"\b{known}\b", name, re.IGNORECASE):
             return peaks
     return dataclasses.replace(
         GPUS["H100"], name=f"{name} (not in the table: an H100 SXM's peaks; pass device=)"

@@ -60,7 +60,8 @@ def precision_summary(model, print_fn=None):
         absent = float8_gemms_absent()
         if absent is not None:
             lines += ["", f"FP8: {absent}."]
-    if auto_choice(model):
+    # `to_float` on a layer inside since: auto's choice no longer the story.
+    if auto_choice(model) and not any(r["rule"].startswith("to_float(") for r in rows):
         lines += ["", auto_choice(model)]
     optimizers = _optimizer_rows(model)
     if optimizers:
