@@ -20,9 +20,9 @@ def test_a_rate_is_measured_once_and_is_plausible(dtype):
 def test_flags_and_native_bfloat16():
     flags = cpu_rates.cpu_flags()
     assert isinstance(flags, frozenset)
-    assert cpu_rates.native_bfloat16({"avx2", "amx_bf16", "avx512_bf16"}) == [
+    assert cpu_rates.native({"avx2", "amx_bf16", "avx512_bf16"}, "bfloat16") == [
         "amx_bf16",
         "avx512_bf16",
     ]
-    assert cpu_rates.native_bfloat16({"avx2"}) == []
+    assert cpu_rates.native({"avx2"}, "bfloat16") == []
     assert 1e8 < cpu_rates.memory_bandwidth() < 1e13

@@ -107,19 +107,7 @@ def memory_bandwidth():
 @functools.cache
 def cpu_flags():
     """The flags of /proc/cpuinfo (an empty set where there is none)."""
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith(("flags", "Features")):
-                    return frozenset(line.split(":", 1)[1].split())
-    except OSError:
-        pass
-    return frozenset()
-
-
-def native_bfloat16(flags):
-    """The native bfloat16 flags among `flags`, sorted."""
-    return native(flags, "bfloat16")
+    return frozenset((_cpuinfo(("flags", "Features")) or "").split())
 
 
 def native(flags, dtype):
@@ -130,11 +118,17 @@ def native(flags, dtype):
 @functools.cache
 def cpu_name():
     """The processor's model name, or "this CPU"."""
+    return _cpuinfo(("model name",)) or "this CPU"
+
+
+def _cpuinfo(keys):
+    """The value of /proc/cpuinfo's first line starting with one of `keys`,
+    or None (no such line, or no /proc/cpuinfo)."""
     try:
         with open("/proc/cpuinfo") as f:
             for line in f:
-                if line.startswith("model name"):
+                if line.startswith(keys):
                     return line.split(":", 1)[1].strip()
     except OSError:
         pass
-    return "this CPU"
+    return None

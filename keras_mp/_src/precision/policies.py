@@ -289,8 +289,6 @@ def to_float(layer_or_model, dtype):
         )
     policy = "float32" if name == "float32" else f"mixed_{name}"
     rule = f"to_float({name!r})"
-    if isinstance(layer_or_model, keras.Model):
-        object.__setattr__(layer_or_model, _AUTO_ATTRIBUTE, None)  # no longer auto's
     decisions = []
     for layer in layer_tree.layers_in_order(layer_or_model):
         kept = rules.kept_reason(layer)

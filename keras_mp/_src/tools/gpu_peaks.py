@@ -169,7 +169,7 @@ def this_cpu():
     from keras_mp._src.backends import cpu_rates
 
     flags = cpu_rates.cpu_flags()
-    native = cpu_rates.native_bfloat16(flags)
+    native = cpu_rates.native(flags, "bfloat16")
     float32 = cpu_rates.matmul_rate("float32")
     # Keras's PyTorch backend multiplies float16 in float32 on a CPU.
     computes_float16 = backends.current.computes_half_matmuls("float16")

@@ -82,11 +82,12 @@ def speed_report(
         dtype: `"float16"`, `"bfloat16"`, or `"float8"` (O2, O3: the matmuls
             `apply_amp` would put in FP8 at FP8's rate where the GPU has FP8
             tensor cores, H100, H200, L4; bfloat16's elsewhere).
-        device: what to predict for: None, this machine (its GPU where
-            `gpu_peaks.GPUS` knows it, else its CPU); `"cpu"`, this machine's
-            CPU with this backend, its matmul rates measured (about a second,
-            once per process); or a GPU to plan for, `"H100"`, `"H200"`,
-            `"A100"`, `"L4"`, `"T4"`.
+        device: what to predict for: None, this machine (its GPU, with the
+            H100's peaks under its own name where `gpu_peaks.GPUS` does not
+            name it, else its CPU); `"cpu"`, this machine's CPU with this
+            backend, its matmul rates measured (a few seconds at most, once
+            per process); a `gpu_peaks.Peaks`; or a GPU to plan for,
+            `"H100"`, `"H200"`, `"A100"`, `"L4"`, `"T4"`.
         slots: optimizer slots per trainable weight (Adam 2, SGD with momentum
             1); None: from the model's compiled optimizer, else 2.
         replicas: data-parallel replicas (for `shard_optimizer_state`).
@@ -142,9 +143,8 @@ def speed_report(
     launches += len(model.trainable_variables)
     launch_seconds = launches * gpu_peaks.LAUNCH_SECONDS
     summary = _summary(
-        level, dtype, peaks, at_level, memory, times, launches, launch_seconds, replicas,
-        peaks.native_half("bfloat16" if dtype == FLOAT8 else dtype),
-    )  # fmt: skip
+        level, dtype, peaks, at_level, memory, times, launches, launch_seconds, replicas
+    )
     summary["advice"] = _advice(at_level, peaks, times[level], launch_seconds, amp.half)
     summary["advice"] += _float8_advice(model, calls, amp, at_level, peaks)
     summary["advice"] = [text for _, text in sorted(summary["advice"], key=lambda e: -e[0])][:8]
@@ -156,9 +156,7 @@ def speed_report(
     return report
 
 
-def _summary(
-    level, dtype, peaks, accounts, memory, times, launches, launch_s, replicas, native_half
-):
+def _summary(level, dtype, peaks, accounts, memory, times, launches, launch_s, replicas):
     flops = sum(a.step_flops for a in accounts.values())
     half = sum(a.step_flops for a in accounts.values() if a.dtype in HALF_DTYPES)
     share = half / flops if flops else 0.0
@@ -181,7 +179,7 @@ def _summary(
             f"float32's rate here; at most {bound:.2f}x the float32 step; {share:.0%} of "
             f"the matmul FLOPs in half{in_fp8}."
         )
-        if not native_half:
+        if not peaks.native_half(matmul_dtype):
             verdict += (
                 f" This CPU has no native {matmul_dtype} instructions: it converts to "
                 "float32 to multiply, so expect little or no speed-up"
