@@ -7,6 +7,25 @@ import time
 JIT_COMPILE = {"auto": "auto", "true": True, "false": False}
 
 
+def built_for(keras, config, build):
+    """`build()` for a configuration, seed 0: under Keras's own global
+    policy where `config` is `"keras <policy>"` (float32 again after it,
+    also on an error), else in float32 for keras_mp to set its level."""
+    keras.utils.set_random_seed(0)
+    keras.config.set_dtype_policy(config.split()[1] if config.startswith("keras ") else "float32")
+    try:
+        return build()
+    finally:
+        keras.config.set_dtype_policy("float32")
+
+
+def level_of(config):
+    """`(level, dtype)` of a keras_mp configuration: `"O2 bfloat16 +head"`
+    gives `("O2", "bfloat16")`, `"O0"` gives `("O0", "float16")` (unused)."""
+    level, dtype = (config.split() + ["float16"])[:2]
+    return level, dtype
+
+
 def fastest_decile(samples):
     """Mean of the fastest tenth of the samples (at least one).
 

@@ -29,6 +29,7 @@ import sys
 
 import _checkout  # noqa: F401  (this checkout's keras_mp, not an installed one)
 from _common import JIT_COMPILE
+from _common import built_for
 from lso_overhead import _calibrated_steps
 from lso_overhead import _steady_state_timer
 
@@ -97,17 +98,13 @@ def _build(keras, name):
 
 
 def _compiled(keras, keras_mp, model_name, config, jit_compile="auto"):
-    keras.utils.set_random_seed(0)
+    model, shape = built_for(keras, config, lambda: _build(keras, model_name))
     optimizer = keras.optimizers.Adam(1e-3)
     loss = "sparse_categorical_crossentropy"
     compile = functools.partial(keras.Model.compile, jit_compile=jit_compile)
     if config.startswith("keras "):
-        keras.config.set_dtype_policy(config.split()[1])
-        model, shape = _build(keras, model_name)
-        keras.config.set_dtype_policy("float32")
         compile(model, optimizer=optimizer, loss=loss)  # Keras wraps float16 itself
         return model, shape
-    model, shape = _build(keras, model_name)
     if config == "O0":
         compile(model, optimizer=optimizer, loss=loss, amp_level="O0")
     elif config.endswith("no guard"):

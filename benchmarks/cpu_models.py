@@ -26,6 +26,8 @@ import sys
 import time
 
 import _checkout  # noqa: F401  (this checkout's keras_mp, not an installed one)
+from _common import built_for
+from _common import level_of
 
 BACKENDS = ("tensorflow", "jax", "torch")
 MODELS = ("bert", "gpt2", "resnet50")
@@ -76,24 +78,13 @@ def _build(keras, name):
 
 
 def _compiled(keras, name, config):
-    keras.utils.set_random_seed(0)
+    model, loss, batch = built_for(keras, config, lambda: _build(keras, name))
     optimizer = keras.optimizers.Adam(1e-4)
     if config.startswith("keras "):
-        keras.config.set_dtype_policy(config.split()[1])
-        try:
-            model, loss, batch = _build(keras, name)
-        finally:
-            keras.config.set_dtype_policy("float32")
         model.compile(optimizer=optimizer, loss=loss)
-        return model, batch
-    model, loss, batch = _build(keras, name)
-    level, dtype = (config.split() + ["float16"])[:2]
-    model.compile(
-        optimizer=optimizer,
-        loss=loss,
-        amp_level=level,
-        amp_dtype="float16" if level == "O0" else dtype,
-    )
+    else:
+        level, dtype = level_of(config)
+        model.compile(optimizer=optimizer, loss=loss, amp_level=level, amp_dtype=dtype)
     return model, batch
 
 

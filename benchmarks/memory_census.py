@@ -24,6 +24,8 @@ keras.applications' ResNet50 (64x64, batch 8).
 import argparse
 
 import _checkout  # noqa: F401  (this checkout's keras_mp, not an installed one)
+from _common import built_for
+from _common import level_of
 
 MODELS = ("bert", "gemma", "resnet50")
 CONFIGS = (
@@ -68,18 +70,12 @@ def _build(keras, name):
 
 
 def _compiled(keras, name, config):
-    keras.utils.set_random_seed(0)
+    model, loss, batch = built_for(keras, config, lambda: _build(keras, name))
     if config.startswith("keras "):
-        keras.config.set_dtype_policy(config.split()[1])
-        try:
-            model, loss, batch = _build(keras, name)
-        finally:
-            keras.config.set_dtype_policy("float32")
         model.compile(optimizer="adam", loss=loss)
-        return model, loss, batch
-    model, loss, batch = _build(keras, name)
-    level, dtype = (config.split() + ["float16"])[:2]
-    model.compile(optimizer="adam", loss=loss, amp_level=level, amp_dtype=dtype)
+    else:
+        level, dtype = level_of(config)
+        model.compile(optimizer="adam", loss=loss, amp_level=level, amp_dtype=dtype)
     return model, loss, batch
 
 

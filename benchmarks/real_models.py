@@ -38,6 +38,8 @@ import time
 
 import _checkout  # noqa: F401  (this checkout's keras_mp, not an installed one)
 from _common import JIT_COMPILE
+from _common import built_for
+from _common import level_of
 from lso_overhead import _steady_state_timer
 
 BACKENDS = ("tensorflow", "jax", "torch")
@@ -142,18 +144,12 @@ def _matmul_precision(keras, strict):
 
 
 def _compiled(keras, name, config, tiny, jit_compile):
-    keras.utils.set_random_seed(0)
+    model, loss, data = built_for(keras, config, lambda: _build(keras, name, tiny))
     optimizer = keras.optimizers.Adam(1e-4)
     if config.startswith("keras "):
-        keras.config.set_dtype_policy(config.split()[1])
-        try:
-            model, loss, data = _build(keras, name, tiny)
-        finally:
-            keras.config.set_dtype_policy("float32")
         model.compile(optimizer=optimizer, loss=loss, jit_compile=jit_compile)
         return model, data
-    model, loss, data = _build(keras, name, tiny)
-    level, dtype = (config.split() + ["float16"])[:2]
+    level, dtype = level_of(config)
     if config.endswith("+moments"):
         import keras_mp
 
