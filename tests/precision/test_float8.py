@@ -116,7 +116,7 @@ def test_allow_puts_first_and_output_layers_in_fp8_and_deny_keeps_float32():
     keras_mp.apply_amp(model, "O2", "float8", allow=["first", "head"], deny=["middle"])
     rules = _rules(model)
     assert FP8_REASON in rules["first"] and FP8_REASON in rules["head"], rules
-    assert rules["middle"] == "O2: deny=, float32"
+    assert rules["middle"].startswith("O2: deny=, float32"), rules
     assert model.get_layer("middle").compute_dtype == "float32"
 
 

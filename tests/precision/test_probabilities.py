@@ -203,3 +203,102 @@ def test_a_gate_inside_your_block_gets_its_own_dtype():
             return self.value(x) * self.gate(x)
 
     assert np.isfinite(_classifier_losses_at_o2_bfloat16(Gated(), (4,))).all()
+
+
+# -- an attention's probabilities: float32 arithmetic, half kept (issue 65) ----
+
+
+def _attention_model():
+    """keras-io's text classification with a Transformer: its block's
+    `MultiHeadAttention`, whose `Softmax` is float32 at every level and
+    hands its probabilities to the half matmul with the values."""
+    inputs = keras.Input((6, 8))
+    attention = L.MultiHeadAttention(num_heads=2, key_dim=4, name="attention")
+    # Its scores asked for: the softmax, not the fused attention op.
+    x, _ = attention(inputs, inputs, return_attention_scores=True)
+    return keras.Model(inputs, L.Dense(3, name="out")(L.GlobalAveragePooling1D()(x)))
+
+
+def _saved_dtypes(model, x):
+    """The dtypes (and shapes) of the tensors PyTorch's autograd saves for a
+    forward pass."""
+    import torch
+
+    saved = []
+
+    def pack(t):
+        saved.append((str(t.dtype).replace("torch.", ""), tuple(t.shape)))
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        keras.ops.sum(model(x, training=True))
+    return saved
+
+
+@pytest.mark.parametrize("half", ["float16", "bfloat16"])
+def test_an_attention_keeps_its_probabilities_in_half_with_float32_gradients(half):
+    """The softmax's forward values are float32's rounded to half, as its
+    consumer reads them; its gradient is the float32 formula on the kept half
+    probabilities (within a few half roundings of float32's); on PyTorch no
+    float32 tensor of the probabilities' shape is kept for the backward pass."""
+    if keras.backend.backend() == "jax" and half == "float16":
+        pytest.skip("attention computes in float32 on JAX's CPU (no float16 dot there)")
+    rng = np.random.default_rng(0)
+    x = rng.normal(size=(2, 6, 8)).astype("float32")
+    keras.utils.set_random_seed(0)
+    reference = _attention_model()
+    model = _attention_model()
+    model.set_weights(reference.get_weights())
+    keras_mp.apply_amp(model, "O2", half)
+    softmax = model.get_layer("attention")._softmax
+    assert softmax.compute_dtype == "float32"
+    rules = {r["layer"].split("/")[-1]: r["rule"] for r in keras_mp.precision_summary(model).rows}
+    assert f"kept in {half} for the backward pass" in " ".join(rules.values()), rules
+
+    scores = keras.ops.convert_to_tensor(rng.normal(size=(2, 2, 6, 6)).astype(half))
+    probabilities = softmax(scores)
+    assert keras.backend.standardize_dtype(probabilities.dtype) == half
+    want = keras.ops.softmax(keras.ops.cast(scores, "float32"), axis=-1)
+    np.testing.assert_array_equal(
+        keras.ops.convert_to_numpy(keras.ops.cast(probabilities, "float32")),
+        keras.ops.convert_to_numpy(keras.ops.cast(keras.ops.cast(want, half), "float32")),
+    )
+    got = _gradients(model, x)
+    expected = _gradients(reference, x)
+    spacing = {"float16": 2.0**-10, "bfloat16": 2.0**-7}[half]
+    # Against the largest gradient: the keys' are about 0 (a sum of softmax
+    # outputs does not depend on them), and their half errors are noise.
+    scale = max(np.abs(e).max() for e in expected)
+    for g, e in zip(got, expected):
+        assert np.abs(g - e).max() / scale < 8 * spacing
+    if keras.backend.backend() == "torch":
+        saved = _saved_dtypes(model, x)
+        assert (half, (2, 2, 6, 6)) in saved, saved
+        assert ("float32", (2, 2, 6, 6)) not in saved, saved
+
+
+def _gradients(model, x):
+    """The gradients of `sum(model(x))` with respect to the trainable
+    variables, as float64 NumPy arrays."""
+    backend = keras.backend.backend()
+    variables = model.trainable_variables
+    if backend == "tensorflow":
+        import tensorflow as tf
+
+        with tf.GradientTape() as tape:
+            loss = tf.reduce_sum(tf.cast(model(x, training=True), "float32"))
+        grads = tape.gradient(loss, variables)
+    elif backend == "jax":
+        import jax
+
+        def loss_of(values):
+            y, _ = model.stateless_call(values, [v.value for v in model.non_trainable_variables], x)
+            return keras.ops.sum(keras.ops.cast(y, "float32"))
+
+        grads = jax.grad(loss_of)([v.value for v in variables])
+    else:
+        for v in variables:
+            v.value.grad = None
+        keras.ops.sum(keras.ops.cast(model(x, training=True), "float32")).backward()
+        grads = [v.value.grad for v in variables]
+    return [keras.ops.convert_to_numpy(keras.ops.cast(g, "float32")).astype("float64") for g in grads]

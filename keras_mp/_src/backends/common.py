@@ -231,7 +231,8 @@ def stateless_step(step, optimizer_values, grads, trainable_values, by_select=No
         new_trainable, new_own, new_inner = step.inner_stateless_apply(
             own_values, inner_values, unscaled, trainable_values, kept=kept
         )
-        new_own = own_values_for(new_own, update(state, True, step.config))
+        finite = True if kept is None else kept
+        new_own = own_values_for(new_own, update(state, finite, step.config))
         return list(new_trainable), new_own + list(new_inner)
 
     def on_overflow():
@@ -242,20 +243,13 @@ def stateless_step(step, optimizer_values, grads, trainable_values, by_select=No
         return on_finite()
     finite = step.check_finite(grads)
     if (by_select or skips_by_select)():
-        # The inner optimizer's values are chosen as they are assigned (its
-        # update reads its new slots as it writes them, as in the plain step;
-        # selected afterwards, XLA copies every slot first). A trainable
-        # value with a master copy is the copy's rounding, the same bits
-        # when the copy is kept. The optimizer's own values (the state, the
-        # copies) are chosen here.
-        new_trainable, new_optimizer = on_finite(kept=finite)
-        _, old_optimizer = on_overflow()
-        own = step.own_count
-        new_own = [
-            ops.where(finite, new, old)
-            for new, old in zip(new_optimizer[:own], old_optimizer[:own])
-        ]
-        return list(new_trainable), new_own + list(new_optimizer[own:])
+        # Every value is chosen as it is assigned: the inner optimizer's
+        # (its update reads its new slots as it writes them, as in the plain
+        # step; selected afterwards, XLA copies every slot first), the master
+        # copies (a trainable value with a copy is the copy's rounding, the
+        # same bits when the copy is kept), and the loss-scale state, whose
+        # transition is selects of `finite`.
+        return on_finite(kept=finite)
     return ops.cond(finite, on_finite, on_overflow)
 
 
@@ -360,3 +354,35 @@ def train_step_matmuls(model, data):
     this backend runs for `model`'s train step on the batch `data` (`(x, y)`):
     JAX's lowered HLO, TensorFlow's traced graph, PyTorch's dispatched ops."""
     raise NotImplementedError(f"keras_mp reads no train step program on the {NAME} backend")
+
+
+def train_step_memory(model, data):
+    """`(held, saved)`: the bytes `model`'s train step on `data` holds at its
+    peak (or None), and `{dtype: bytes}` it keeps for the backward pass (or
+    None), as far as this backend exposes them (`compiled_census.memory`)."""
+    raise NotImplementedError(f"keras_mp reads no train step program on the {NAME} backend")
+
+
+# -- probabilities kept in half ------------------------------------------------
+
+
+def saved_in_half(forward, backward, x, dtype):
+    """`forward(x)` (float32 arithmetic) returned in `dtype`, whose gradient
+    is `backward(y, upstream)` on the returned half `y` read in float32: the
+    backward pass keeps `y` in half, not `forward`'s float32 result (as
+    Megatron's and Apex's fused softmax do). `keras.ops.custom_gradient`
+    keeps what its gradient function refers to: `y` alone."""
+
+    @ops.custom_gradient
+    def kept_in_half(x):
+        y = ops.cast(forward(x), dtype)
+
+        def grad(*args, upstream=None):
+            if upstream is None:
+                (upstream,) = args
+            dx = backward(ops.cast(y, "float32"), ops.cast(upstream, "float32"))
+            return ops.cast(dx, x.dtype)
+
+        return y, grad
+
+    return kept_in_half(x)

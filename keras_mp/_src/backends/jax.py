@@ -18,26 +18,31 @@ SHARDS_OPTIMIZER_STATE = True
 
 
 def skips_by_select():
-    """Whether the step skips with selects instead of `lax.cond`.
+    """Whether the step skips with selects instead of `lax.cond`: yes.
 
-    On a CPU, `lax.cond` is cheapest: the update runs only when it is taken,
-    where selecting after the inner optimizer's update makes XLA's CPU
-    backend copy the slots first. On a GPU or TPU, XLA reads a conditional's
-    predicate on the host, which waits for the device once per `cond`, and
-    the update is a few fused kernels: there the update is always computed
-    and `jnp.where` keeps the old values of a skipped step
-    (`benchmarks/README.md`, "Which form of the skip?"). Either way a skipped
-    step leaves every value bit-identical.
+    The update is always computed and `jnp.where` keeps the old values of a
+    skipped step, chosen as the inner optimizer assigns them
+    (`common.stateless_step`), so XLA updates every slot in place. A
+    `lax.cond` around the update costs memory on every platform: XLA gives
+    the conditional's results buffers of their own, so a step held a second
+    copy of the weights and slots it updates (on JAX's CPU 1.1x to 4x the
+    temporaries of Keras's own `mixed_bfloat16` step, `benchmarks/README.md`,
+    "How much memory does a train step hold?"), and on a GPU or TPU it reads
+    its predicate on the host, which waits for the device once per step.
+    Either way a skipped step leaves every value bit-identical.
 
     The environment variable `KERAS_MP_JAX_SKIP_FORM` ("cond" or "select")
     forces one form (the tests run both on every machine).
     """
     form = common.skip_form()
-    if form is not None:
-        return form == "select"
+    return form != "cond"
+
+
+def _checks_by_sums():
+    """Whether the finiteness check sums the gradients first (a CPU)."""
     import jax
 
-    return jax.default_backend() != "cpu"
+    return jax.default_backend() == "cpu"
 
 
 def all_finite(grads):
@@ -48,9 +53,9 @@ def all_finite(grads):
     values with `ones @ g` (a BLAS kernel). A sum, accumulated in float32, is
     finite exactly when every value is, unless finite values add up past
     float32's maximum; only then does the exact elementwise check run, inside
-    a `cond`. Where the step skips by selects (a GPU or TPU), the exact check
-    runs alone: XLA fuses it into one pass there, and a `cond` would wait for
-    the device.
+    a small `cond` whose only result is the answer. On a GPU or TPU the exact
+    check runs alone: XLA fuses it into one pass there, and a `cond` would
+    wait for the device.
     """
     import jax
     import jax.numpy as jnp
@@ -58,7 +63,7 @@ def all_finite(grads):
     grads = [common.dense_values(g) for g in grads if g is not None]
     if not grads:
         return jnp.asarray(True)
-    if skips_by_select():
+    if not _checks_by_sums():
         return exact_all_finite(grads)
     total = common.add_all([_sum(jnp, g) for g in grads])
     # Module-level branches and the gradients as operands: JAX traces this
@@ -250,3 +255,15 @@ def train_step_matmuls(model, data):
     state = keras_internals.jax_training_state(model)
     lowered = jax.jit(model.train_step).lower(state, data)
     return hlo_text.census(lowered.as_text(dialect="hlo"))[0]
+
+
+def train_step_memory(model, data):
+    """`(held, None)`: XLA's temporary bytes of `fit`'s train step, compiled
+    for this machine with its state donated, as `fit` compiles it (nothing
+    run)."""
+    import jax
+
+    keras_internals.build_for_training(model, data)
+    state = keras_internals.jax_training_state(model)
+    compiled = jax.jit(model.train_step, donate_argnums=0).lower(state, data).compile()
+    return compiled.memory_analysis().temp_size_in_bytes, None

@@ -47,6 +47,32 @@ def matmuls(graph):
     return found
 
 
+# The gradient tape's ops, by the name scope TensorFlow gives them.
+_GRADIENT_SCOPE = "gradient_tape/"
+# Values that are not the forward pass's: variables, constants, the batch.
+_NOT_COMPUTED = ("ReadVariableOp", "Const", "Placeholder", "VarHandleOp")
+
+
+def saved_for_backward(graph):
+    """`{dtype: bytes}` of the forward pass's floating values that the
+    gradient's ops read (what the backward pass keeps), each once; static
+    shapes, an unknown dimension counted as 1."""
+    saved, seen = {}, set()
+    for op in graph.get_operations():
+        if not op.name.startswith(_GRADIENT_SCOPE):
+            continue
+        for tensor in op.inputs:
+            producer = tensor.op
+            if producer.name.startswith(_GRADIENT_SCOPE) or producer.type in _NOT_COMPUTED:
+                continue
+            if tensor.name in seen or not tensor.dtype.is_floating:
+                continue
+            seen.add(tensor.name)
+            size = math.prod(_shape(tensor)) * tensor.dtype.size
+            saved[tensor.dtype.name] = saved.get(tensor.dtype.name, 0) + size
+    return saved
+
+
 def _called(op):
     names = []
     for attribute in _FUNCTION_ATTRIBUTES:

@@ -179,6 +179,14 @@ def step_each_variable(optimizer):
     optimizer._backend_update_step = one_at_a_time
 
 
+def train_step_memory(model, data):
+    """`(held, saved)` of one train step (`train_on_batch`), after which
+    every variable holds its value from before the step."""
+    from keras_mp._src.backends import torch_dispatch
+
+    return torch_dispatch.memory_of_one_step(model, data)
+
+
 def train_step_matmuls(model, data):
     """The matmuls PyTorch dispatches in one train step (`train_on_batch`),
     after which every variable of the model, its optimizer and metrics holds
@@ -186,3 +194,35 @@ def train_step_matmuls(model, data):
     from keras_mp._src.backends import torch_dispatch
 
     return torch_dispatch.matmuls_of_one_step(model, data)
+
+
+def saved_in_half(forward, backward, x, dtype):
+    """`common.saved_in_half` as a `torch.autograd.Function` that saves only
+    the half output (Keras's `custom_gradient` saves its inputs too)."""
+    import torch
+
+    if not (torch.is_grad_enabled() and x.requires_grad) or torch.jit.is_tracing():
+        # Nothing kept for a backward pass (inference, an export's trace).
+        return forward(x).to(getattr(torch, dtype))
+    global _KeptInHalf
+    if _KeptInHalf is None:
+
+        class _KeptInHalf(torch.autograd.Function):
+            @staticmethod
+            def forward(ctx, x, forward, backward, dtype):
+                y = forward(x).to(dtype)
+                ctx.backward = backward
+                ctx.input_dtype = x.dtype
+                ctx.save_for_backward(y)
+                return y
+
+            @staticmethod
+            def backward(ctx, upstream):
+                (y,) = ctx.saved_tensors
+                dx = ctx.backward(y.float(), upstream.float())
+                return dx.to(ctx.input_dtype), None, None, None
+
+    return _KeptInHalf.apply(x, forward, backward, getattr(torch, dtype))
+
+
+_KeptInHalf = None

@@ -77,6 +77,67 @@ def matmuls_of_one_step(model, data):
     return found
 
 
+def memory_of_one_step(model, data):
+    """`(held, saved)` of one `train_on_batch` of `data`: the most bytes of
+    storages the step creates alive at once (seen by a `TorchDispatchMode`,
+    each freed when PyTorch frees it), and `{dtype: bytes}` of the tensors
+    autograd saves for the backward pass (each storage once; the variables'
+    own storages aside)."""
+    import torch
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    keras_internals.build_for_training(model, data)
+    variables = _state(model)
+    before = [torch.clone(v.value.detach()) for v in variables]
+    own = {storage_of(v.value) for v in variables}
+    live = {"now": 0, "peak": 0}
+    alive = set()
+    saved, seen = {}, set()
+
+    def freed(pointer, size):
+        alive.discard(pointer)
+        live["now"] -= size
+
+    def pack(tensor):
+        pointer = storage_of(tensor)
+        if pointer is not None and pointer not in own and (pointer, tensor.dtype) not in seen:
+            seen.add((pointer, tensor.dtype))
+            dtype = _dtype(tensor)
+            saved[dtype] = saved.get(dtype, 0) + tensor.untyped_storage().nbytes()
+        return tensor
+
+    class Peak(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            out = func(*args, **(kwargs or {}))
+            for tensor in out if isinstance(out, (tuple, list)) else (out,):
+                pointer = storage_of(tensor) if isinstance(tensor, torch.Tensor) else None
+                if pointer is None or pointer in alive or pointer in own:
+                    continue
+                size = tensor.untyped_storage().nbytes()
+                alive.add(pointer)
+                live["now"] += size
+                live["peak"] = max(live["peak"], live["now"])
+                weakref.finalize(tensor.untyped_storage(), freed, pointer, size)
+            return out
+
+    try:
+        with Peak(), torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            model.train_on_batch(*data)
+    finally:
+        for variable, value in zip(variables, before):
+            variable.assign(value)
+    return live["peak"], saved
+
+
+def storage_of(tensor):
+    """The address of a tensor's storage, or None (a tensor without one)."""
+    try:
+        pointer = tensor.untyped_storage().data_ptr()
+    except (RuntimeError, NotImplementedError):
+        return None
+    return pointer or None
+
+
 _CARRIES = {"mul", "t", "transpose", "permute", "view", "_unsafe_view", "reshape", "expand"}
 _CARRIES |= {"clone", "contiguous", "alias", "detach"}
 

@@ -179,8 +179,15 @@ class MasterWeights:
 
     # -- the stateless backend (JAX) ------------------------------------------
 
-    def stateless_apply(self, inner_stateless_apply, own_values, inner_values, grads, values):
-        """`(new_trainable, new_own, new_inner)` from the step's values."""
+    def stateless_apply(
+        self, inner_stateless_apply, own_values, inner_values, grads, values, kept=None
+    ):
+        """`(new_trainable, new_own, new_inner)` from the step's values.
+
+        `kept` (a boolean scalar, the select form of the skip): each copy is
+        chosen as it is written, its old value where `kept` is False (the
+        half variable is then the old copy's rounding: its own value).
+        """
         targets = list(values)
         for i in self.positions:
             targets[i] = reconciled(own_values[self.own_indices[i]], values[i])
@@ -188,7 +195,10 @@ class MasterWeights:
         new_trainable = list(new_targets)
         new_own = list(own_values)
         for i in self.positions:
-            new_own[self.own_indices[i]] = new_targets[i]
+            copy = new_targets[i]
+            if kept is not None:
+                copy = ops.where(kept, copy, own_values[self.own_indices[i]])
+            new_own[self.own_indices[i]] = copy
             new_trainable[i] = ops.cast(new_targets[i], values[i].dtype)
         return new_trainable, new_own, list(new_inner)
 

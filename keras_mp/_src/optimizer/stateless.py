@@ -73,7 +73,9 @@ class StatelessApply:
         """`(new_trainable, new_own, new_inner)` values of an applied step.
 
         With `kept` (a boolean scalar), the inner optimizer's assignments
-        are kept only where it is True (`stateless_apply_kept_if`).
+        and the master copies are kept only where it is True
+        (`stateless_apply_kept_if`): every value but the loss-scale state's
+        is then already the chosen one.
         """
         inner_apply = self.inner_optimizer.stateless_apply
         if kept is not None:
@@ -82,5 +84,5 @@ class StatelessApply:
             new_trainable, new_inner = inner_apply(inner_values, grads, trainable_values)
             return list(new_trainable), list(own_values), list(new_inner)
         return self._masters.stateless_apply(
-            inner_apply, own_values, inner_values, grads, trainable_values
+            inner_apply, own_values, inner_values, grads, trainable_values, kept=kept
         )

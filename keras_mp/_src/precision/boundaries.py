@@ -17,6 +17,9 @@ import keras
 
 from keras_mp._src import keras_internals
 from keras_mp._src.precision import layer_tree
+from keras_mp._src.precision import probabilities
+from keras_mp._src.precision.layer_kinds import DATA_MOVEMENT
+from keras_mp._src.precision.layer_kinds import EXACT_PREPROCESSING
 from keras_mp._src.precision.probabilities import computes_in_float32
 
 _CASTS_ATTRIBUTE = "_keras_mp_boundary_casts"
@@ -25,6 +28,10 @@ _OUTPUT_DTYPE_ATTRIBUTE = "_keras_mp_output_dtype"
 # On a model held by a subclassed model: the dtype it returns when called
 # from outside that model's `call` (its `train_step`, `compute_loss`).
 _OUTSIDE_DTYPE_ATTRIBUTE = "_keras_mp_outside_dtype"
+# On a float32 probability layer returning half: its backward pass keeps
+# the half output (`probabilities.kept_in_half`).
+_HALF_KEPT_ATTRIBUTE = "_keras_mp_half_kept"
+_HALF = ("float16", "bfloat16")
 # How many subclassed models' own `call`s are running (this thread).
 _MODEL_CALLS = threading.local()
 
@@ -65,6 +72,13 @@ def set_boundary_casts(layer, entry_dtype=None, output_dtype=None, *_):
         return
     object.__setattr__(layer, _ENTRY_DTYPE_ATTRIBUTE, entry_dtype)
     object.__setattr__(layer, _OUTPUT_DTYPE_ATTRIBUTE, output_dtype)
+    object.__setattr__(
+        layer,
+        _HALF_KEPT_ATTRIBUTE,
+        output_dtype in _HALF
+        and keras.backend.standardize_dtype(layer.compute_dtype) == "float32"
+        and probabilities.keeps_half(layer),
+    )
     if installed:
         return
     # A quantized layer (int8, float8) runs `quantized_call`, not `call`:
@@ -73,6 +87,12 @@ def set_boundary_casts(layer, entry_dtype=None, output_dtype=None, *_):
         if hasattr(layer, method):
             object.__setattr__(layer, method, _with_boundary_casts(layer, getattr(layer, method)))
     object.__setattr__(layer, _CASTS_ATTRIBUTE, True)
+
+
+def keeps_half_output(layer):
+    """Whether `layer` returns a float32 probability in half and keeps the
+    half output for its backward pass (`probabilities.kept_in_half`)."""
+    return getattr(layer, _HALF_KEPT_ATTRIBUTE, False)
 
 
 def _inside_a_model_call():
@@ -89,6 +109,14 @@ def _with_boundary_casts(layer, call):
         if entry is not None and entry != "float32":
             floats = any(_is_float(x) for x in keras.tree.flatten((args, kwargs)))
             args, kwargs = keras.tree.map_structure(lambda x: _cast_float(x, entry), (args, kwargs))
+        target = getattr(layer, _OUTPUT_DTYPE_ATTRIBUTE)
+        outside = getattr(layer, _OUTSIDE_DTYPE_ATTRIBUTE, None)
+        if outside is not None and not _inside_a_model_call():
+            target = outside
+        if target in _HALF and args and getattr(layer, _HALF_KEPT_ATTRIBUTE, False):
+            # A float32 probability handed to a half consumer: its backward
+            # pass keeps the half output.
+            return probabilities.kept_in_half(layer, call, target, args, kwargs)
         if entry is not None and model:
             _MODEL_CALLS.depth = getattr(_MODEL_CALLS, "depth", 0) + 1
             try:
@@ -103,10 +131,6 @@ def _with_boundary_casts(layer, call):
                 outputs = call(*args, **kwargs)
         else:
             outputs = call(*args, **kwargs)
-        target = getattr(layer, _OUTPUT_DTYPE_ATTRIBUTE)
-        outside = getattr(layer, _OUTSIDE_DTYPE_ATTRIBUTE, None)
-        if outside is not None and not _inside_a_model_call():
-            target = outside
         if target is None:
             return outputs
         return keras.tree.map_structure(lambda x: _cast_half_or_float32(x, target), outputs)
@@ -185,6 +209,7 @@ def set_boundaries(model, outputs=None, entry_dtype=None):
         model's output).
     """
     inner_dtypes = {}
+    graphs = {}
     returns = []
     for layer, parent in layer_tree.tree(model):
         if outputs is None and layer is model:
@@ -231,8 +256,70 @@ def set_boundaries(model, outputs=None, entry_dtype=None):
             if layer.compute_dtype != caller_dtype:
                 returns.append((layer, caller_dtype, parent))
         else:
-            set_boundary_casts(layer)
+            handed = None
+            if parent is not None and layer_tree.is_graph(parent):
+                if id(parent) not in graphs:
+                    graphs[id(parent)] = layer_tree.successors(parent)
+                handed = _half_for_consumers(layer, *graphs[id(parent)])
+            set_boundary_casts(layer, output_dtype=handed)
+            if handed is not None:
+                returns.append((layer, handed, parent))
     return returns
+
+
+def _half_for_consumers(layer, consumers, outputs, calls):
+    """The half dtype a float32 layer of a Sequential or functional model
+    hands on: the one every layer that takes in its outputs computes in and
+    casts them to on its way in (through layers that only move values), so
+    that they hold half, not float32, until then; the consumers compute
+    what they did, on the same values. None where one of them is the
+    model's output, computes in float32, keeps its inputs' dtype (Keras's
+    `Embedding` family), or is not a layer (`x + 1` on a Keras tensor)."""
+    if keras.backend.standardize_dtype(layer.compute_dtype) != "float32":
+        return None
+    if layer_tree.is_container(layer) or _hands_on_float(layer):
+        return None
+    # Its casts hold for every call: a layer that a model other than this
+    # one also calls keeps what it returns.
+    if keras_internals.call_count(layer) > calls.get(id(layer), 0):
+        return None
+    found, stack, seen = set(), [layer], set()
+    while stack:
+        op = stack.pop()
+        if any(op is o for o in outputs) or id(op) in seen:
+            return None
+        seen.add(id(op))
+        taken_by = consumers.get(id(op), ())
+        if not taken_by:
+            return None
+        for consumer in taken_by:
+            if isinstance(consumer, DATA_MOVEMENT):
+                stack.append(consumer)
+                continue
+            if (
+                not isinstance(consumer, keras.layers.Layer)
+                or layer_tree.is_container(consumer)
+                or not consumer.autocast
+                or not getattr(consumer, "_convert_input_args", True)
+            ):
+                return None
+            found.add(keras.backend.standardize_dtype(consumer.compute_dtype))
+    if len(found) != 1 or not found <= set(_HALF):
+        return None
+    return found.pop()
+
+
+def _hands_on_float(layer):
+    """A layer whose float32 outputs are kept float32 wherever they go:
+    indices, counts and bins, and input statistics (float32 at every level
+    for their exactness: a model built later on its outputs gets them
+    exact), a layer that does not cast its inputs (its outputs may be wider
+    than its policy) or only moves them."""
+    return (
+        not layer.autocast
+        or isinstance(layer, DATA_MOVEMENT)
+        or isinstance(layer, EXACT_PREPROCESSING + (keras.layers.Normalization,))
+    )
 
 
 def _set_output_casts(layer):

@@ -223,8 +223,12 @@ def _annotate_returns(returns, layers):
             continue
         if caller is None:  # a model output
             rule = f"{rule}; model output: returns {dtype}"
+        elif layer_tree.is_graph(caller):
+            rule = f"{rule}; returns {dtype}, as its consumers compute"
         else:
             rule = f"{rule}; returns {dtype} to {caller.name}"
+        if boundaries.keeps_half_output(layer):
+            rule = f"{rule} (kept in {dtype} for the backward pass)"
         object.__setattr__(layer, _RULE_ATTRIBUTE, rule)
     for layer in layers:
         rule = getattr(layer, _RULE_ATTRIBUTE, None)

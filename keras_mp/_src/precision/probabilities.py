@@ -9,6 +9,12 @@
   while the layer runs, so threads calling the model share it safely.
 - A layer that is nothing but a probability (`Softmax`, `Activation`) is
   float32 at every level (`rules.py`).
+- A layer that is nothing but a softmax or a sigmoid, computing in float32
+  and returning half to a half consumer (an attention's probabilities on
+  their way to its second matmul, `boundaries.py`), keeps its half output
+  for the backward pass, not its float32 one (`kept_in_half`): the
+  gradient is computed in float32 from it, as Megatron's and Apex's fused
+  softmax do. Its forward values are unchanged (its consumer reads half).
 - A layer that only moves values (`Reshape`, `Flatten`, `layer_kinds.
   DATA_MOVEMENT`) passes on the dtype it receives: a float32 probability on
   its way to an output stays float32, a half activation stays half.
@@ -18,6 +24,7 @@ import functools
 
 import keras
 
+from keras_mp._src import backends
 from keras_mp._src.precision.layer_kinds import DATA_MOVEMENT
 from keras_mp._src.precision.layer_kinds import probability_activation
 
@@ -76,3 +83,44 @@ def set_probabilities(layers):
             wanted = float32_activation(wanted)
         if wanted is not layer.activation:
             object.__setattr__(layer, "activation", wanted)
+
+
+def _gradient(layer):
+    """`(y, upstream) -> dx` of a layer that is nothing but a softmax or a
+    sigmoid, in float32 from its output `y`; None for any other layer (a
+    log_softmax's half output would lose its small probabilities' digits)."""
+    ops = keras.ops
+    if isinstance(layer, keras.layers.Softmax):
+        axes = layer.axis if isinstance(layer.axis, (tuple, list)) else (layer.axis,)
+        axis = tuple(axes) if len(axes) > 1 else axes[0]
+    elif isinstance(layer, keras.layers.Activation):
+        name = getattr(original_activation(layer.activation), "__name__", None)
+        if name == "sigmoid":
+            return lambda y, g: g * y * (1.0 - y)
+        if name != "softmax":
+            return None
+        axis = -1
+    else:
+        return None
+
+    def softmax_gradient(y, g):
+        return y * (g - ops.sum(g * y, axis=axis, keepdims=True))
+
+    return softmax_gradient
+
+
+def keeps_half(layer):
+    """Whether `layer`, returning half, can keep its half output for the
+    backward pass (`kept_in_half`)."""
+    return _gradient(layer) is not None
+
+
+def kept_in_half(layer, call, dtype, args, kwargs):
+    """`layer`'s `call` in float32 returned in `dtype`, its backward pass
+    keeping the half output only (`backends.current.saved_in_half`)."""
+    inputs, rest = args[0], args[1:]
+    if keras.backend.standardize_dtype(getattr(inputs, "dtype", "")) != "float32":
+        return call(*args, **kwargs)
+    return backends.current.saved_in_half(
+        lambda x: call(x, *rest, **kwargs), _gradient(layer), inputs, dtype
+    )

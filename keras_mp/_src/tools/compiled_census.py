@@ -6,7 +6,8 @@ not from the policies that should make it so.
 `census(model, x, y)` takes a compiled model (at a keras_mp level or under
 a Keras dtype policy) and one batch; `speed_report`'s "Matmul work in half"
 is its prediction, and the tests hold the two together
-(`tests/tools/test_compiled_census.py`).
+(`tests/tools/test_compiled_census.py`). `memory(model, x, y)` is the same
+step's memory, as far as the backend exposes it.
 """
 
 import collections
@@ -46,3 +47,44 @@ def census(model, x, y):
     total = sum(flops.values()) or 1
     half = sum(n for dtype, n in flops.items() if dtype in HALF_DTYPES + (FLOAT8,))
     return Census(dict(flops), half / total, flops[FLOAT8] / total)
+
+
+@dataclasses.dataclass(frozen=True)
+class MemoryCensus:
+    """Bytes one train step holds beyond its variables and its batch.
+
+    `held`: its working memory at its peak: on JAX, XLA's temporaries of
+    `fit`'s step as compiled for this machine (its buffer assignment, the
+    state donated as `fit` donates it); on PyTorch, the most bytes of the
+    tensors the step creates that are alive at once; None on TensorFlow (a
+    traced graph allocates nothing). `saved`: `{dtype: bytes}` kept for the
+    backward pass: the tensors autograd saves (PyTorch, each storage once),
+    the forward values the gradient's ops read in the traced graph
+    (TensorFlow); None on JAX (XLA's buffers hold no dtype of their own).
+    """
+
+    held: object
+    saved: object
+
+    @property
+    def saved_bytes(self):
+        return None if self.saved is None else sum(self.saved.values())
+
+    def __str__(self):
+        parts = []
+        if self.held is not None:
+            parts.append(f"{self.held / 2**20:.3g} MiB held")
+        if self.saved is not None:
+            by_dtype = ", ".join(f"{d} {n / 2**20:.3g}" for d, n in sorted(self.saved.items()))
+            parts.append(f"{self.saved_bytes / 2**20:.3g} MiB saved for backward ({by_dtype})")
+        return "; ".join(parts)
+
+
+def memory(model, x, y):
+    """The `MemoryCensus` of `model`'s train step on the batch `(x, y)`.
+
+    JAX compiles the step and TensorFlow traces it, without running it;
+    PyTorch runs one `train_on_batch` and puts every variable back.
+    """
+    held, saved = backends.current.train_step_memory(model, (x, y))
+    return MemoryCensus(held, saved)
