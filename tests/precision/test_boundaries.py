@@ -315,3 +315,45 @@ def test_output_layers_follow_allow_and_deny(level, dtype):
     assert rows["scale"]["compute_dtype"] == dtype
     for output in denied(np.ones((2, 4), "float32")):
         assert _dtype(output) == "float32"
+
+
+# -- float32 layers hand half to half consumers (issue 65) -----------------------
+
+
+def _handoff_model():
+    """A BatchNormalization whose one consumer computes in half, and a
+    LayerNormalization whose outputs reach the model's output (through a
+    `Reshape`) and a half Dense."""
+    inputs = keras.Input((8,))
+    x = keras.layers.BatchNormalization(name="bn")(keras.layers.Dense(8, name="d1")(inputs))
+    ln = keras.layers.LayerNormalization(name="ln")(keras.layers.Dense(8, name="d2")(x))
+    out = keras.layers.Dense(3, name="out")(ln)
+    return keras.Model(inputs, [out, keras.layers.Reshape((2, 4), name="moved")(ln)])
+
+
+def test_a_float32_layer_returns_half_only_where_every_consumer_casts_to_it():
+    """Its consumers would round its outputs to half on their way in: it
+    hands them half (half the bytes held between them), with its reason in
+    the summary. Not where its outputs reach a model output, nor when
+    another model calls it too. (bfloat16: in float16 the heads of outputs
+    without a loss are float32, `test_output_losses.py`.)"""
+    dtype = "bfloat16"
+    model = _handoff_model()
+    keras_mp.apply_amp(model, "O2", dtype)
+    x = np.ones((2, 8), "float32")
+    bn, ln = model.get_layer("bn"), model.get_layer("ln")
+    assert bn.compute_dtype == ln.compute_dtype == "float32"
+    assert keras.backend.standardize_dtype(bn(x, training=False).dtype) == dtype
+    assert keras.backend.standardize_dtype(ln(x).dtype) == "float32"
+    outputs = model(x)
+    assert [keras.backend.standardize_dtype(o.dtype) for o in outputs] == ["float32"] * 2
+    rules = {r["layer"].split("/")[-1]: r["rule"] for r in keras_mp.precision_summary(model).rows}
+    assert rules["bn"] == f"O2 deny-list; returns {dtype}, as its consumers compute", rules
+    assert rules["ln"] == "O2 deny-list", rules
+
+    shared = _handoff_model()
+    keras.Model(shared.inputs, keras.layers.Dense(2)(shared.get_layer("bn").output))
+    outside = keras.Model(shared.inputs[0], shared.get_layer("bn")(shared.get_layer("d1").output))
+    keras_mp.apply_amp(shared, "O2", dtype)
+    # `outside` calls the BatchNormalization too, and returns its outputs.
+    assert keras.backend.standardize_dtype(outside(x).dtype) == "float32"

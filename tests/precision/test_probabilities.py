@@ -301,4 +301,6 @@ def _gradients(model, x):
             v.value.grad = None
         keras.ops.sum(keras.ops.cast(model(x, training=True), "float32")).backward()
         grads = [v.value.grad for v in variables]
-    return [keras.ops.convert_to_numpy(keras.ops.cast(g, "float32")).astype("float64") for g in grads]
+    return [
+        keras.ops.convert_to_numpy(keras.ops.cast(g, "float32")).astype("float64") for g in grads
+    ]
