@@ -1,16 +1,16 @@
-"""(Issue 65, a first census) How much memory does a train step hold, beside Keras?
+"""How much memory does a train step hold at each level, beside Keras's policies?
 
-What each backend exposes of the program it runs, nothing timed:
+What each backend exposes of the program it runs (`keras_mp`'s
+`compiled_census.memory`), nothing timed:
 
 - JAX: XLA's buffer assignment of `fit`'s train step, compiled for this
-  machine (`jax.jit(model.train_step).lower(...).compile().memory_analysis()`):
-  the temporary bytes (activations kept for the backward pass, workspaces),
-  and those of the loss's gradient alone (`jax.grad` of a stateless call).
-- PyTorch: the tensors autograd saves for the backward pass of one forward
-  pass and loss (`torch.autograd.graph.saved_tensors_hooks`), by dtype,
-  each storage counted once.
-- TensorFlow: nothing comparable on a CPU (its allocator's peak,
-  `tf.config.experimental.get_memory_info`, is a GPU's): not measured.
+  machine with its state donated as `fit` donates it: the temporary bytes
+  (activations kept for the backward pass, gradients, workspaces).
+- PyTorch: one `train_on_batch`: the peak of the tensors the step creates
+  alive at once, and the tensors autograd saves for the backward pass, by
+  dtype, each storage once.
+- TensorFlow: the traced train step: the forward values the gradient
+  tape's ops read (what the backward pass keeps), by dtype.
 
 Models as issue 65 names them, from configs with random weights: a KerasHub
 BERT classifier (hidden 512, 4 layers, 256 tokens, batch 4), a KerasHub
@@ -79,52 +79,6 @@ def _compiled(keras, name, config):
     return model, loss, batch
 
 
-def jax_census(keras, model, loss, batch):
-    """(train step's temp bytes, the loss gradient's temp bytes)."""
-    import jax
-
-    from keras_mp._src import keras_internals
-
-    keras_internals.build_for_training(model, batch)
-    state = keras_internals.jax_training_state(model)
-    step = jax.jit(model.train_step).lower(state, batch).compile()
-    trainable, non_trainable = state[0], state[1]
-    loss_fn = keras.losses.get(loss) if isinstance(loss, str) else loss
-    x, y = batch
-
-    def compute(trainable):
-        y_pred, _ = model.stateless_call(trainable, non_trainable, x, training=True)
-        return loss_fn(y, y_pred)
-
-    grad = jax.jit(jax.grad(compute)).lower(trainable).compile()
-    return (
-        step.memory_analysis().temp_size_in_bytes,
-        grad.memory_analysis().temp_size_in_bytes,
-    )
-
-
-def torch_census(keras, model, loss, batch):
-    """{dtype: bytes} of the tensors autograd saves for one forward pass."""
-    import torch
-
-    saved, seen = {}, set()
-
-    def pack(t):
-        key = (t.untyped_storage().data_ptr(), t.dtype)
-        if key not in seen:
-            seen.add(key)
-            name = str(t.dtype).replace("torch.", "")
-            saved[name] = saved.get(name, 0) + t.untyped_storage().nbytes()
-        return t
-
-    loss_fn = keras.losses.get(loss) if isinstance(loss, str) else loss
-    x, y = batch
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        value = loss_fn(y, model(x, training=True))
-    value.backward()
-    return saved
-
-
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--models", nargs="+", default=list(MODELS), choices=MODELS)
@@ -133,29 +87,26 @@ def main():
     import keras
 
     import keras_mp  # noqa: F401  (compile's amp_level)
+    from keras_mp._src.tools import compiled_census
 
-    backend = keras.backend.backend()
-    if backend == "jax":
-        print("| model | configuration | train step temp MiB | loss gradient temp MiB |")
-        print("|---|---|---|---|")
-    elif backend == "torch":
-        print("| model | configuration | saved for backward MiB | by dtype (MiB) |")
-        print("|---|---|---|---|")
-    else:
-        raise SystemExit("TensorFlow exposes no step memory on a CPU: run with jax or torch")
+    print("| model | configuration | held MiB | saved for backward MiB (by dtype) |")
+    print("|---|---|---|---|")
     for name in args.models:
         for config in args.configs:
-            model, loss, batch = _compiled(keras, name, config)
-            if backend == "jax":
-                step, grad = jax_census(keras, model, loss, batch)
-                print(
-                    f"| {name} | {config} | {step / 2**20:.0f} | {grad / 2**20:.0f} |", flush=True
+            model, loss, (x, y) = _compiled(keras, name, config)
+            try:
+                memory = compiled_census.memory(model, x, y)
+            except Exception as error:  # noqa: BLE001 (Keras's own step may not build)
+                print(f"| {name} | {config} | {type(error).__name__} | |", flush=True)
+                continue
+            held = "" if memory.held is None else f"{memory.held / 2**20:.0f}"
+            saved = ""
+            if memory.saved is not None:
+                by = ", ".join(
+                    f"{k} {v / 2**20:.0f}" for k, v in sorted(memory.saved.items()) if v >= 2**19
                 )
-            else:
-                saved = torch_census(keras, model, loss, batch)
-                by = ", ".join(f"{k} {v / 2**20:.0f}" for k, v in sorted(saved.items()))
-                total = sum(saved.values()) / 2**20
-                print(f"| {name} | {config} | {total:.0f} | {by} |", flush=True)
+                saved = f"{memory.saved_bytes / 2**20:.0f} ({by})"
+            print(f"| {name} | {config} | {held} | {saved} |", flush=True)
 
 
 if __name__ == "__main__":
