@@ -31,8 +31,10 @@ MODELS = ("bert", "gemma", "resnet50")
 CONFIGS = (
     "O0",
     "O2 bfloat16",
+    "O3 bfloat16",
     "keras mixed_bfloat16",
     "O2 float16",
+    "O3 float16",
     "keras mixed_float16",
 )
 

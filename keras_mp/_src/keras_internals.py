@@ -168,12 +168,6 @@ def consumed_operations(model):
     return consumed
 
 
-def call_count(layer):
-    """How many times `layer` was called on Keras tensors (its nodes, in
-    every functional model that uses it)."""
-    return len(getattr(layer, "_inbound_nodes", None) or ())
-
-
 def operations_from_inputs(model):
     """A functional model's operations from its inputs on, each with the
     operations whose outputs it takes in: `[(operation, [parents])]`, every

@@ -49,6 +49,8 @@ def matmuls(graph):
 
 # The gradient tape's ops, by the name scope TensorFlow gives them.
 _GRADIENT_SCOPE = "gradient_tape/"
+# Ops that read only their input's shape (known statically: nothing kept).
+_SHAPE_ONLY = ("Shape", "ShapeN", "Size", "Rank")
 # Values that are not the forward pass's: variables, constants, the batch.
 _NOT_COMPUTED = ("ReadVariableOp", "Const", "Placeholder", "VarHandleOp")
 
@@ -59,7 +61,7 @@ def saved_for_backward(graph):
     shapes, an unknown dimension counted as 1."""
     saved, seen = {}, set()
     for op in graph.get_operations():
-        if not op.name.startswith(_GRADIENT_SCOPE):
+        if not op.name.startswith(_GRADIENT_SCOPE) or op.type in _SHAPE_ONLY:
             continue
         for tensor in op.inputs:
             producer = tensor.op

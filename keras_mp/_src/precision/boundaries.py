@@ -18,8 +18,6 @@ import keras
 from keras_mp._src import keras_internals
 from keras_mp._src.precision import layer_tree
 from keras_mp._src.precision import probabilities
-from keras_mp._src.precision.layer_kinds import DATA_MOVEMENT
-from keras_mp._src.precision.layer_kinds import EXACT_PREPROCESSING
 from keras_mp._src.precision.probabilities import computes_in_float32
 
 _CASTS_ATTRIBUTE = "_keras_mp_boundary_casts"
@@ -209,7 +207,6 @@ def set_boundaries(model, outputs=None, entry_dtype=None):
         model's output).
     """
     inner_dtypes = {}
-    graphs = {}
     returns = []
     for layer, parent in layer_tree.tree(model):
         if outputs is None and layer is model:
@@ -256,70 +253,8 @@ def set_boundaries(model, outputs=None, entry_dtype=None):
             if layer.compute_dtype != caller_dtype:
                 returns.append((layer, caller_dtype, parent))
         else:
-            handed = None
-            if parent is not None and layer_tree.is_graph(parent):
-                if id(parent) not in graphs:
-                    graphs[id(parent)] = layer_tree.successors(parent)
-                handed = _half_for_consumers(layer, *graphs[id(parent)])
-            set_boundary_casts(layer, output_dtype=handed)
-            if handed is not None:
-                returns.append((layer, handed, parent))
+            set_boundary_casts(layer)
     return returns
-
-
-def _half_for_consumers(layer, consumers, outputs, calls):
-    """The half dtype a float32 layer of a Sequential or functional model
-    hands on: the one every layer that takes in its outputs computes in and
-    casts them to on its way in (through layers that only move values), so
-    that they hold half, not float32, until then; the consumers compute
-    what they did, on the same values. None where one of them is the
-    model's output, computes in float32, keeps its inputs' dtype (Keras's
-    `Embedding` family), or is not a layer (`x + 1` on a Keras tensor)."""
-    if keras.backend.standardize_dtype(layer.compute_dtype) != "float32":
-        return None
-    if layer_tree.is_container(layer) or _hands_on_float(layer):
-        return None
-    # Its casts hold for every call: a layer that a model other than this
-    # one also calls keeps what it returns.
-    if keras_internals.call_count(layer) > calls.get(id(layer), 0):
-        return None
-    found, stack, seen = set(), [layer], set()
-    while stack:
-        op = stack.pop()
-        if any(op is o for o in outputs) or id(op) in seen:
-            return None
-        seen.add(id(op))
-        taken_by = consumers.get(id(op), ())
-        if not taken_by:
-            return None
-        for consumer in taken_by:
-            if isinstance(consumer, DATA_MOVEMENT):
-                stack.append(consumer)
-                continue
-            if (
-                not isinstance(consumer, keras.layers.Layer)
-                or layer_tree.is_container(consumer)
-                or not consumer.autocast
-                or not getattr(consumer, "_convert_input_args", True)
-            ):
-                return None
-            found.add(keras.backend.standardize_dtype(consumer.compute_dtype))
-    if len(found) != 1 or not found <= set(_HALF):
-        return None
-    return found.pop()
-
-
-def _hands_on_float(layer):
-    """A layer whose float32 outputs are kept float32 wherever they go:
-    indices, counts and bins, and input statistics (float32 at every level
-    for their exactness: a model built later on its outputs gets them
-    exact), a layer that does not cast its inputs (its outputs may be wider
-    than its policy) or only moves them."""
-    return (
-        not layer.autocast
-        or isinstance(layer, DATA_MOVEMENT)
-        or isinstance(layer, EXACT_PREPROCESSING + (keras.layers.Normalization,))
-    )
 
 
 def _set_output_casts(layer):

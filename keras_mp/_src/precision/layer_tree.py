@@ -139,22 +139,6 @@ def predecessors(graph):
     return {id(op): parents for op, parents in keras_internals.operations_from_inputs(graph)}
 
 
-def successors(graph):
-    """`(consumers, outputs, calls)` of a Sequential or functional model:
-    `{id(operation): [the operations that take in its outputs]}`, its
-    output operations, and `{id(operation): how many times it calls it}`."""
-    if isinstance(graph, keras.Sequential):
-        layers = graph.layers
-        consumers = {id(a): [b] for a, b in zip(layers, layers[1:])}
-        return consumers, layers[-1:], {id(layer): 1 for layer in layers}
-    consumers, calls = {}, {}
-    for op, parents in keras_internals.operations_from_inputs(graph):
-        calls[id(op)] = calls.get(id(op), 0) + 1
-        for parent in parents:
-            consumers.setdefault(id(parent), []).append(op)
-    return consumers, list(keras_internals.output_operations(graph)), calls
-
-
 def call_order(model, shape):
     """The layers inside `model` in the order its `call` first runs them,
     on inputs of `shape` (traced symbolically: nothing computes), or None

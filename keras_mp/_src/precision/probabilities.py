@@ -9,7 +9,7 @@
   while the layer runs, so threads calling the model share it safely.
 - A layer that is nothing but a probability (`Softmax`, `Activation`) is
   float32 at every level (`rules.py`).
-- A layer that is nothing but a softmax or a sigmoid, computing in float32
+- A layer that is nothing but a softmax, computing in float32
   and returning half to a half consumer (an attention's probabilities on
   their way to its second matmul, `boundaries.py`), keeps its half output
   for the backward pass, not its float32 one (`kept_in_half`): the
@@ -86,18 +86,18 @@ def set_probabilities(layers):
 
 
 def _gradient(layer):
-    """`(y, upstream) -> dx` of a layer that is nothing but a softmax or a
-    sigmoid, in float32 from its output `y`; None for any other layer (a
-    log_softmax's half output would lose its small probabilities' digits)."""
+    """`(y, upstream) -> dx` of a layer that is nothing but a softmax, in
+    float32 from its output `y`; None for any other layer (a log_softmax's
+    half output would lose its small probabilities' digits)."""
     ops = keras.ops
     if isinstance(layer, keras.layers.Softmax):
         axes = layer.axis if isinstance(layer.axis, (tuple, list)) else (layer.axis,)
         axis = tuple(axes) if len(axes) > 1 else axes[0]
     elif isinstance(layer, keras.layers.Activation):
-        name = getattr(original_activation(layer.activation), "__name__", None)
-        if name == "sigmoid":
-            return lambda y, g: g * y * (1.0 - y)
-        if name != "softmax":
+        # Keras's own softmax only (a function of the user's named so may
+        # take another axis). Not a sigmoid: near 1 its half output rounds
+        # to 1 and `y * (1 - y)` to 0 (bfloat16 at 6.5 and beyond).
+        if original_activation(layer.activation) is not keras.activations.softmax:
             return None
         axis = -1
     else:
@@ -120,7 +120,7 @@ def kept_in_half(layer, call, dtype, args, kwargs):
     keeping the half output only (`backends.current.saved_in_half`)."""
     inputs, rest = args[0], args[1:]
     if keras.backend.standardize_dtype(getattr(inputs, "dtype", "")) != "float32":
-        return call(*args, **kwargs)
+        return keras.ops.cast(call(*args, **kwargs), dtype)
     return backends.current.saved_in_half(
         lambda x: call(x, *rest, **kwargs), _gradient(layer), inputs, dtype
     )
