@@ -315,3 +315,72 @@ def test_output_layers_follow_allow_and_deny(level, dtype):
     assert rows["scale"]["compute_dtype"] == dtype
     for output in denied(np.ones((2, 4), "float32")):
         assert _dtype(output) == "float32"
+
+
+# -- float32 layers hand half to half consumers (issue 65) -----------------------
+
+
+def _handoff_model():
+    """A BatchNormalization whose one consumer computes in half, and a
+    LayerNormalization whose outputs reach the model's output (through a
+    `Reshape`) and a half Dense."""
+    inputs = keras.Input((8,))
+    x = keras.layers.BatchNormalization(name="bn")(keras.layers.Dense(8, name="d1")(inputs))
+    ln = keras.layers.LayerNormalization(name="ln")(keras.layers.Dense(8, name="d2")(x))
+    out = keras.layers.Dense(3, name="out")(ln)
+    return keras.Model(inputs, [out, keras.layers.Reshape((2, 4), name="moved")(ln)])
+
+
+def _returned_dtypes(model, x, names):
+    """The dtype each named layer returns while `model` runs (a layer of
+    the user's after it notes what it received, before any cast)."""
+    seen = {}
+    for name in names:
+        layer = model.get_layer(name)
+        call = layer.call
+
+        def noting(*args, _name=name, _call=call, **kwargs):
+            out = _call(*args, **kwargs)
+            seen[_name] = keras.backend.standardize_dtype(out.dtype)
+            return out
+
+        object.__setattr__(layer, "call", noting)
+    try:
+        outputs = model(x)
+    finally:
+        for name in names:
+            model.get_layer(name).__dict__.pop("call", None)
+    return seen, outputs
+
+
+def test_a_float32_layer_returns_half_only_while_its_model_runs_it():
+    """Its consumers would round its outputs to half on their way in: while
+    the model runs, it hands them half (half the bytes held between them),
+    with its reason in the summary; the model's outputs are the same. Not
+    where its outputs reach a model output, nor to a feature extractor built
+    on its nodes, another model or a direct call, nor once its consumer is
+    float32 (`to_float`). (bfloat16: in float16 the heads of outputs
+    without a loss are float32, `test_output_losses.py`.)"""
+    keras.utils.set_random_seed(0)
+    model = _handoff_model()
+    x = np.random.default_rng(0).normal(size=(4, 8)).astype("float32") * 3
+    keras_mp.apply_amp(model, "O2", "bfloat16")
+    extractor = keras.Model(model.inputs, model.get_layer("bn").output)
+    inputs = keras.Input((8,))
+    later = keras.Model(inputs, model.get_layer("bn")(inputs))
+    bn = model.get_layer("bn")
+    assert bn.compute_dtype == "float32"
+    seen, outputs = _returned_dtypes(model, x, ["bn", "ln"])
+    assert seen == {"bn": "bfloat16", "ln": "float32"}, seen
+    assert [keras.backend.standardize_dtype(o.dtype) for o in outputs] == ["float32"] * 2
+    rules = {r["layer"].split("/")[-1]: r["rule"] for r in keras_mp.precision_summary(model).rows}
+    assert rules["bn"].startswith("O2 deny-list; returns bfloat16 to its bfloat16 consumers")
+    assert rules["ln"] == "O2 deny-list", rules
+    for other in (extractor, later, bn):
+        assert keras.backend.standardize_dtype(other(x).dtype) == "float32", other.name
+
+    # The consumer in float32: the BatchNormalization's outputs reach it
+    # unrounded, as before the hand-off.
+    keras_mp.to_float(model.get_layer("d2"), "float32")
+    seen, _ = _returned_dtypes(model, x, ["bn"])
+    assert seen == {"bn": "float32"}, seen

@@ -360,7 +360,7 @@ def test_preprocessing_layers_keep_exact_outputs_and_train(level, half):
     history = model.fit(x, y, batch_size=8, epochs=1, verbose=0)
     assert np.isfinite(history.history["loss"][-1])
     rules = {r["layer"].split("/")[-1]: r["rule"] for r in keras_mp.precision_summary(model).rows}
-    assert rules["counts"] == "indices, counts and bins: float32 at every level"
+    assert rules["counts"].startswith("indices, counts and bins: float32 at every level"), rules
     if BACKEND != "jax":
         assert rules["hash"] == "int64 outputs: kept"
 

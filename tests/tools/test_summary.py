@@ -15,7 +15,9 @@ def test_precision_summary_rows_and_text():
     summary = keras_mp.precision_summary(model)
     rows = {r["layer"].split("/")[-1]: r for r in summary.rows}
     assert rows["bn"]["compute_dtype"] == "float32"
-    assert rows["bn"]["rule"] == "O2 deny-list"
+    # Its consumers compute in float16: it hands them float16 in the model's run.
+    assert rows["bn"]["rule"] == "O2 deny-list; returns float16 to its float16 consumers in cnn"
+    assert rows["ln"]["rule"] == "O2 deny-list; returns float16 to its float16 consumers in cnn"
     assert rows["conv"]["compute_dtype"] == "float16"
     assert rows["conv"]["variable_dtype"] == "float32"
     assert rows["probs"]["rule"] == "probabilities in float32"

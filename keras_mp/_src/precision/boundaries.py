@@ -18,6 +18,7 @@ import keras
 from keras_mp._src import keras_internals
 from keras_mp._src.precision import layer_tree
 from keras_mp._src.precision import probabilities
+from keras_mp._src.precision.layer_kinds import DATA_MOVEMENT
 from keras_mp._src.precision.probabilities import computes_in_float32
 
 _CASTS_ATTRIBUTE = "_keras_mp_boundary_casts"
@@ -30,6 +31,12 @@ _OUTSIDE_DTYPE_ATTRIBUTE = "_keras_mp_outside_dtype"
 # the half output (`probabilities.kept_in_half`).
 _HALF_KEPT_ATTRIBUTE = "_keras_mp_half_kept"
 _HALF = ("float16", "bfloat16")
+# On a float32 layer of a graph: `(id(graph), dtype, consumers)`, its
+# hand-off of half to its consumers while that graph runs (`set_handoff`).
+_HANDOFF_ATTRIBUTE = "_keras_mp_handoff"
+_MARKS_RUNS_ATTRIBUTE = "_keras_mp_marks_runs"
+# The graphs (Sequential, functional models) running their `call` (this thread).
+_GRAPH_RUNS = threading.local()
 # How many subclassed models' own `call`s are running (this thread).
 _MODEL_CALLS = threading.local()
 
@@ -68,6 +75,7 @@ def set_boundary_casts(layer, entry_dtype=None, output_dtype=None, *_):
     installed = getattr(layer, _CASTS_ATTRIBUTE, False)
     if not installed and entry_dtype is None and output_dtype is None:
         return
+    _install(layer)
     object.__setattr__(layer, _ENTRY_DTYPE_ATTRIBUTE, entry_dtype)
     object.__setattr__(layer, _OUTPUT_DTYPE_ATTRIBUTE, output_dtype)
     object.__setattr__(
@@ -77,14 +85,86 @@ def set_boundary_casts(layer, entry_dtype=None, output_dtype=None, *_):
         and keras.backend.standardize_dtype(layer.compute_dtype) == "float32"
         and probabilities.keeps_half(layer),
     )
-    if installed:
+
+
+def _install(layer):
+    """The wrapper around the layer's `call`, once (no casts until set)."""
+    if getattr(layer, _CASTS_ATTRIBUTE, False):
         return
+    for attribute in (_ENTRY_DTYPE_ATTRIBUTE, _OUTPUT_DTYPE_ATTRIBUTE):
+        if not hasattr(layer, attribute):
+            object.__setattr__(layer, attribute, None)
     # A quantized layer (int8, float8) runs `quantized_call`, not `call`:
     # both carry the casts, so quantizing after `apply_amp` keeps them too.
     for method in ("call", "quantized_call"):
         if hasattr(layer, method):
             object.__setattr__(layer, method, _with_boundary_casts(layer, getattr(layer, method)))
     object.__setattr__(layer, _CASTS_ATTRIBUTE, True)
+
+
+def set_handoff(layer, graph=None, dtype=None, consumers=()):
+    """Makes a float32 `layer` of the Sequential or functional model `graph`
+    return `dtype` while `graph` runs it, as long as each of `consumers`
+    (the layers that take in its outputs there) computes in `dtype`: they
+    would cast its outputs to it on their way in. Its calls from anywhere
+    else (a feature extractor built on its nodes, another model, a direct
+    call) return what it computes. `graph=None` turns it off."""
+    if graph is None and getattr(layer, _HANDOFF_ATTRIBUTE, None) is None:
+        return
+    if graph is not None:
+        _install(layer)
+        _mark_runs(graph)
+        handoff = (id(graph), dtype, tuple(consumers))
+    else:
+        handoff = None
+    object.__setattr__(layer, _HANDOFF_ATTRIBUTE, handoff)
+
+
+def handoff_of(layer):
+    """The half dtype `layer` hands its consumers, or None."""
+    handoff = getattr(layer, _HANDOFF_ATTRIBUTE, None)
+    return None if handoff is None else handoff[1]
+
+
+def _mark_runs(graph):
+    """`graph`'s `call` notes, while it runs, that it is the innermost graph
+    running (this thread)."""
+    if getattr(graph, _MARKS_RUNS_ATTRIBUTE, False):
+        return
+    call = graph.call
+
+    @functools.wraps(call)
+    def call_marking_its_run(*args, **kwargs):
+        stack = _running_graphs()
+        stack.append(id(graph))
+        try:
+            return call(*args, **kwargs)
+        finally:
+            stack.pop()
+
+    object.__setattr__(graph, "call", call_marking_its_run)
+    object.__setattr__(graph, _MARKS_RUNS_ATTRIBUTE, True)
+
+
+def _running_graphs():
+    stack = getattr(_GRAPH_RUNS, "stack", None)
+    if stack is None:
+        stack = _GRAPH_RUNS.stack = []
+    return stack
+
+
+def _handed_dtype(layer):
+    """The dtype a hand-off gives this call, or None."""
+    handoff = getattr(layer, _HANDOFF_ATTRIBUTE, None)
+    if handoff is None:
+        return None
+    graph, dtype, consumers = handoff
+    stack = _running_graphs()
+    if not stack or stack[-1] != graph:
+        return None
+    if any(keras.backend.standardize_dtype(c.compute_dtype) != dtype for c in consumers):
+        return None  # a consumer's policy changed since (`to_float`)
+    return dtype
 
 
 def keeps_half_output(layer):
@@ -111,6 +191,8 @@ def _with_boundary_casts(layer, call):
         outside = getattr(layer, _OUTSIDE_DTYPE_ATTRIBUTE, None)
         if outside is not None and not _inside_a_model_call():
             target = outside
+        if target is None:
+            target = _handed_dtype(layer)
         if target in _HALF and args and getattr(layer, _HALF_KEPT_ATTRIBUTE, False):
             # A float32 probability handed to a half consumer: its backward
             # pass keeps the half output.
@@ -207,6 +289,7 @@ def set_boundaries(model, outputs=None, entry_dtype=None):
         model's output).
     """
     inner_dtypes = {}
+    graphs = {}
     returns = []
     for layer, parent in layer_tree.tree(model):
         if outputs is None and layer is model:
@@ -254,7 +337,59 @@ def set_boundaries(model, outputs=None, entry_dtype=None):
                 returns.append((layer, caller_dtype, parent))
         else:
             set_boundary_casts(layer)
+            handed = None
+            if parent is not None and layer_tree.is_graph(parent):
+                if id(parent) not in graphs:
+                    graphs[id(parent)] = layer_tree.successors(parent)
+                handed = _half_for_consumers(layer, *graphs[id(parent)])
+            if handed is None:
+                set_handoff(layer)
+            else:
+                set_handoff(layer, parent, *handed)
+                returns.append((layer, handed[0], parent))
     return returns
+
+
+def _half_for_consumers(layer, consumers, outputs):
+    """`(dtype, consumers)`: the half dtype a float32 layer of a Sequential
+    or functional model hands on, the one every layer that takes in its
+    outputs there computes in and casts them to on its way in (through
+    layers that only move values), and those layers; None where one of
+    them is the model's output, computes in float32, keeps its inputs'
+    dtype (Keras's `Embedding` family), is a nested model, or is not a
+    layer (`x + 1` on a Keras tensor)."""
+    if keras.backend.standardize_dtype(layer.compute_dtype) != "float32":
+        return None
+    # Whatever it computes, its consumers would round it to their dtype in
+    # this model's run (a LayerNormalization that casts its own inputs, a
+    # count): the hand-off holds in that run only.
+    if layer_tree.is_container(layer) or isinstance(layer, DATA_MOVEMENT):
+        return None
+    found, taking, stack, seen = set(), [], [layer], set()
+    while stack:
+        op = stack.pop()
+        if any(op is o for o in outputs) or id(op) in seen:
+            return None
+        seen.add(id(op))
+        taken_by = consumers.get(id(op), ())
+        if not taken_by:
+            return None
+        for consumer in taken_by:
+            if isinstance(consumer, DATA_MOVEMENT):
+                stack.append(consumer)
+                continue
+            if (
+                not isinstance(consumer, keras.layers.Layer)
+                or layer_tree.is_container(consumer)
+                or not consumer.autocast
+                or not getattr(consumer, "_convert_input_args", True)
+            ):
+                return None
+            found.add(keras.backend.standardize_dtype(consumer.compute_dtype))
+            taking.append(consumer)
+    if len(found) != 1 or not found <= set(_HALF):
+        return None
+    return found.pop(), taking
 
 
 def _set_output_casts(layer):

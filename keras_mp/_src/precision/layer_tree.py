@@ -139,6 +139,20 @@ def predecessors(graph):
     return {id(op): parents for op, parents in keras_internals.operations_from_inputs(graph)}
 
 
+def successors(graph):
+    """`(consumers, outputs)` of a Sequential or functional model:
+    `{id(operation): [the operations that take in its outputs]}` and its
+    output operations."""
+    if isinstance(graph, keras.Sequential):
+        layers = graph.layers
+        return {id(a): [b] for a, b in zip(layers, layers[1:])}, layers[-1:]
+    consumers = {}
+    for op, parents in keras_internals.operations_from_inputs(graph):
+        for parent in parents:
+            consumers.setdefault(id(parent), []).append(op)
+    return consumers, list(keras_internals.output_operations(graph))
+
+
 def call_order(model, shape):
     """The layers inside `model` in the order its `call` first runs them,
     on inputs of `shape` (traced symbolically: nothing computes), or None

@@ -223,6 +223,8 @@ def _annotate_returns(returns, layers):
             continue
         if caller is None:  # a model output
             rule = f"{rule}; model output: returns {dtype}"
+        elif layer_tree.is_graph(caller):
+            rule = f"{rule}; returns {dtype} to its {dtype} consumers in {caller.name}"
         else:
             rule = f"{rule}; returns {dtype} to {caller.name}"
         if boundaries.keeps_half_output(layer):
