@@ -35,7 +35,7 @@ class Account:
     casts: int = 0
     cast_bytes: int = 0
     moved: int = 0  # bytes its calls read and write, forward and backward
-    kept: int = 0  # bytes of its outputs kept for the backward pass
+    kept: int = 0  # bytes of its outputs (and kernels' casts) kept for the backward pass
     # Matmuls a step per forward one: the forward, its weights' gradient and
     # its inputs' gradient; a first layer's inputs (the model's, which train
     # nothing) get no gradient, so 2 there.
@@ -109,6 +109,10 @@ def accounts_at(model, calls, amp):
             if keras.backend.is_float_dtype(kept_in) and kept_in != dtype:
                 entry.casts += 2
                 entry.cast_bytes += 2 * size * (_bytes(kept_in) + _bytes(dtype))
+                if len(variable.shape) >= 2:
+                    # A kernel's cast is an operand of its matmul: kept
+                    # for the backward pass.
+                    entry.kept += size * _bytes(dtype)
         if fp8:
             # Quantized to FP8 (read in `dtype`, written in one byte): its
             # inputs and kernel forward, its output's gradient backward.
