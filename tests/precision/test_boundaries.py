@@ -384,3 +384,50 @@ def test_a_float32_layer_returns_half_only_while_its_model_runs_it():
     keras_mp.to_float(model.get_layer("d2"), "float32")
     seen, _ = _returned_dtypes(model, x, ["bn"])
     assert seen == {"bn": "float32"}, seen
+
+
+class _Residual(keras.layers.Layer):
+    """A layer of the user's own code holding a norm the model also calls."""
+
+    def __init__(self, norm, **kwargs):
+        super().__init__(**kwargs)
+        self.norm = norm
+
+    def call(self, x):
+        return x + 1000.0 * self.norm(x)
+
+
+def test_a_hand_off_survives_saving_and_ends_where_the_model_changes(tmp_path):
+    """The model saves and loads (the hand-off is no attribute of the layer's
+    for Keras's saving to walk); a Sequential's `pop` and `add` end it; a
+    norm that a layer of the user's own code also calls hands it nothing."""
+    model = keras.Sequential(
+        [
+            keras.Input((8,)),
+            keras.layers.Dense(16, name="d1"),
+            keras.layers.BatchNormalization(name="bn"),
+            keras.layers.Dense(16, name="d2"),
+            keras.layers.Dense(4, name="d3"),
+        ]
+    )
+    x = np.random.default_rng(0).normal(size=(4, 8)).astype("float32")
+    model.compile(optimizer="adam", loss="mse", amp_level="O2", amp_dtype="bfloat16")
+    path = str(tmp_path / "model.keras")
+    model.save(path)
+    loaded = keras.saving.load_model(path)
+    np.testing.assert_array_equal(
+        keras.ops.convert_to_numpy(loaded(x)), keras.ops.convert_to_numpy(model(x))
+    )
+    model.pop()
+    model.pop()
+    model.add(keras.layers.Dense(4, name="head", dtype="float32"))
+    seen, _ = _returned_dtypes(model, x, ["bn"])
+    assert seen == {"bn": "float32"}, seen
+
+    inputs = keras.Input((8,))
+    norm = keras.layers.LayerNormalization(name="norm")
+    a = keras.layers.Dense(4, name="a")(keras.layers.Dense(16, name="b")(norm(inputs)))
+    shared = keras.Model(inputs, [a, keras.layers.Dense(4, name="c")(_Residual(norm)(inputs))])
+    keras_mp.apply_amp(shared, "O2", "bfloat16")
+    rules = {r["layer"].split("/")[-1]: r["rule"] for r in keras_mp.precision_summary(shared).rows}
+    assert "consumers" not in rules["norm"], rules

@@ -12,6 +12,7 @@ reads the latest dtypes at each call.
 
 import functools
 import threading
+import weakref
 
 import keras
 
@@ -31,9 +32,9 @@ _OUTSIDE_DTYPE_ATTRIBUTE = "_keras_mp_outside_dtype"
 # the half output (`probabilities.kept_in_half`).
 _HALF_KEPT_ATTRIBUTE = "_keras_mp_half_kept"
 _HALF = ("float16", "bfloat16")
-# On a float32 layer of a graph: `(id(graph), dtype, consumers)`, its
+# A float32 layer of a graph -> `(graph, dtype, consumers, structure)`, its
 # hand-off of half to its consumers while that graph runs (`set_handoff`).
-_HANDOFF_ATTRIBUTE = "_keras_mp_handoff"
+_HANDOFFS = weakref.WeakKeyDictionary()
 _MARKS_RUNS_ATTRIBUTE = "_keras_mp_marks_runs"
 # The graphs (Sequential, functional models) running their `call` (this thread).
 _GRAPH_RUNS = threading.local()
@@ -105,25 +106,38 @@ def _install(layer):
 def set_handoff(layer, graph=None, dtype=None, consumers=()):
     """Makes a float32 `layer` of the Sequential or functional model `graph`
     return `dtype` while `graph` runs it, as long as each of `consumers`
-    (the layers that take in its outputs there) computes in `dtype`: they
-    would cast its outputs to it on their way in. Its calls from anywhere
-    else (a feature extractor built on its nodes, another model, a direct
-    call) return what it computes. `graph=None` turns it off."""
-    if graph is None and getattr(layer, _HANDOFF_ATTRIBUTE, None) is None:
+    (the layers that take in its outputs there) computes in `dtype` and
+    `graph` still holds them: they would cast its outputs to it on their
+    way in. Its calls from anywhere else (a feature extractor built on its
+    nodes, another model, a layer's own `call`, a direct call) return what
+    it computes. `graph=None` turns it off.
+
+    Kept beside the layer, not on it (`_HANDOFFS`, weak references):
+    Keras's saving walks a layer's attributes, and would save the
+    consumers' weights under it."""
+    if graph is None:
+        _HANDOFFS.pop(layer, None)
         return
-    if graph is not None:
-        _install(layer)
-        _mark_runs(graph)
-        handoff = (id(graph), dtype, tuple(consumers))
-    else:
-        handoff = None
-    object.__setattr__(layer, _HANDOFF_ATTRIBUTE, handoff)
+    _install(layer)
+    _mark_runs(graph)
+    _HANDOFFS[layer] = (
+        weakref.ref(graph),
+        dtype,
+        tuple(weakref.ref(c) for c in consumers),
+        _structure(graph),
+    )
 
 
 def handoff_of(layer):
     """The half dtype `layer` hands its consumers, or None."""
-    handoff = getattr(layer, _HANDOFF_ATTRIBUTE, None)
+    handoff = _HANDOFFS.get(layer)
     return None if handoff is None else handoff[1]
+
+
+def _structure(graph):
+    """What a Sequential model holds now (`pop` and `add` change it); a
+    functional model's graph is fixed when it is made."""
+    return tuple(id(layer) for layer in graph.layers) if isinstance(graph, keras.Sequential) else ()
 
 
 def _mark_runs(graph):
@@ -155,15 +169,19 @@ def _running_graphs():
 
 def _handed_dtype(layer):
     """The dtype a hand-off gives this call, or None."""
-    handoff = getattr(layer, _HANDOFF_ATTRIBUTE, None)
+    handoff = _HANDOFFS.get(layer)
     if handoff is None:
         return None
-    graph, dtype, consumers = handoff
+    graph, dtype, consumers, structure = handoff
+    graph = graph()
     stack = _running_graphs()
-    if not stack or stack[-1] != graph:
+    if graph is None or not stack or stack[-1] != id(graph) or _structure(graph) != structure:
         return None
-    if any(keras.backend.standardize_dtype(c.compute_dtype) != dtype for c in consumers):
-        return None  # a consumer's policy changed since (`to_float`)
+    for consumer in consumers:
+        consumer = consumer()
+        # Gone, or its policy changed since (`to_float`).
+        if consumer is None or keras.backend.standardize_dtype(consumer.compute_dtype) != dtype:
+            return None
     return dtype
 
 
@@ -290,6 +308,14 @@ def set_boundaries(model, outputs=None, entry_dtype=None):
     """
     inner_dtypes = {}
     graphs = {}
+    # Layers a layer of its own code holds (a residual block's norm): it
+    # may call them while a graph runs.
+    held_by_code = {
+        id(child)
+        for layer, _ in layer_tree.tree(model)
+        if not layer_tree.is_graph(layer)
+        for child in keras_internals.children(layer)
+    }
     returns = []
     for layer, parent in layer_tree.tree(model):
         if outputs is None and layer is model:
@@ -338,7 +364,9 @@ def set_boundaries(model, outputs=None, entry_dtype=None):
         else:
             set_boundary_casts(layer)
             handed = None
-            if parent is not None and layer_tree.is_graph(parent):
+            if layer_tree.is_graph(layer):
+                _mark_runs(layer)  # a graph inside calls its own layers
+            if parent is not None and layer_tree.is_graph(parent) and id(layer) not in held_by_code:
                 if id(parent) not in graphs:
                     graphs[id(parent)] = layer_tree.successors(parent)
                 handed = _half_for_consumers(layer, *graphs[id(parent)])
