@@ -130,6 +130,16 @@ def stateless_scope():
     return _need("keras.src.backend.common.stateless_scope", "get_stateless_scope")()
 
 
+_global_state = _need("keras.src.backend.common", "global_state")
+
+
+def call_in_training():
+    """Whether the layer call under way runs in training (Keras's call
+    context, set by the outermost layer called); False outside a call."""
+    context = _global_state.get_global_attribute("current_call_ctx")
+    return bool(getattr(context, "training", None))
+
+
 def children(layer):
     """The layers `layer` tracks directly (its sublayers, one level down)."""
     return list(layer._flatten_layers(include_self=False, recursive=False))

@@ -2,7 +2,8 @@
 
 The levels (`levels`, `amp_settings`, `auto_level`), the rules as a table
 (`layer_kinds`, `rules`), walks of the layer tree (`layer_tree`), setting
-the policies (`policies`), the casts at layers' boundaries (`boundaries`),
+the policies (`policies`), the casts at layers' boundaries (`boundaries`,
+`handoff`, `probabilities`),
 configs that rebuild in the precision set (`loadable_config`), a layer of
 the user's that cannot compute in half (`fallback`), initializers without
 half kernels (`half_initializers`).

@@ -12,14 +12,13 @@ reads the latest dtypes at each call.
 
 import functools
 import threading
-import weakref
 
 import keras
 
 from keras_mp._src import keras_internals
+from keras_mp._src.precision import handoff
 from keras_mp._src.precision import layer_tree
 from keras_mp._src.precision import probabilities
-from keras_mp._src.precision.layer_kinds import DATA_MOVEMENT
 from keras_mp._src.precision.probabilities import computes_in_float32
 
 _CASTS_ATTRIBUTE = "_keras_mp_boundary_casts"
@@ -32,12 +31,6 @@ _OUTSIDE_DTYPE_ATTRIBUTE = "_keras_mp_outside_dtype"
 # the half output (`probabilities.kept_in_half`).
 _HALF_KEPT_ATTRIBUTE = "_keras_mp_half_kept"
 _HALF = ("float16", "bfloat16")
-# A float32 layer of a graph -> `(graph, dtype, consumers, structure)`, its
-# hand-off of half to its consumers while that graph runs (`set_handoff`).
-_HANDOFFS = weakref.WeakKeyDictionary()
-_MARKS_RUNS_ATTRIBUTE = "_keras_mp_marks_runs"
-# The graphs (Sequential, functional models) running their `call` (this thread).
-_GRAPH_RUNS = threading.local()
 # How many subclassed models' own `call`s are running (this thread).
 _MODEL_CALLS = threading.local()
 
@@ -103,88 +96,6 @@ def _install(layer):
     object.__setattr__(layer, _CASTS_ATTRIBUTE, True)
 
 
-def set_handoff(layer, graph=None, dtype=None, consumers=()):
-    """Makes a float32 `layer` of the Sequential or functional model `graph`
-    return `dtype` while `graph` runs it, as long as each of `consumers`
-    (the layers that take in its outputs there) computes in `dtype` and
-    `graph` still holds them: they would cast its outputs to it on their
-    way in. Its calls from anywhere else (a feature extractor built on its
-    nodes, another model, a layer's own `call`, a direct call) return what
-    it computes. `graph=None` turns it off.
-
-    Kept beside the layer, not on it (`_HANDOFFS`, weak references):
-    Keras's saving walks a layer's attributes, and would save the
-    consumers' weights under it."""
-    if graph is None:
-        _HANDOFFS.pop(layer, None)
-        return
-    _install(layer)
-    _mark_runs(graph)
-    _HANDOFFS[layer] = (
-        weakref.ref(graph),
-        dtype,
-        tuple(weakref.ref(c) for c in consumers),
-        _structure(graph),
-    )
-
-
-def handoff_of(layer):
-    """The half dtype `layer` hands its consumers, or None."""
-    handoff = _HANDOFFS.get(layer)
-    return None if handoff is None else handoff[1]
-
-
-def _structure(graph):
-    """What a Sequential model holds now (`pop` and `add` change it); a
-    functional model's graph is fixed when it is made."""
-    return tuple(id(layer) for layer in graph.layers) if isinstance(graph, keras.Sequential) else ()
-
-
-def _mark_runs(graph):
-    """`graph`'s `call` notes, while it runs, that it is the innermost graph
-    running (this thread)."""
-    if getattr(graph, _MARKS_RUNS_ATTRIBUTE, False):
-        return
-    call = graph.call
-
-    @functools.wraps(call)
-    def call_marking_its_run(*args, **kwargs):
-        stack = _running_graphs()
-        stack.append(id(graph))
-        try:
-            return call(*args, **kwargs)
-        finally:
-            stack.pop()
-
-    object.__setattr__(graph, "call", call_marking_its_run)
-    object.__setattr__(graph, _MARKS_RUNS_ATTRIBUTE, True)
-
-
-def _running_graphs():
-    stack = getattr(_GRAPH_RUNS, "stack", None)
-    if stack is None:
-        stack = _GRAPH_RUNS.stack = []
-    return stack
-
-
-def _handed_dtype(layer):
-    """The dtype a hand-off gives this call, or None."""
-    handoff = _HANDOFFS.get(layer)
-    if handoff is None:
-        return None
-    graph, dtype, consumers, structure = handoff
-    graph = graph()
-    stack = _running_graphs()
-    if graph is None or not stack or stack[-1] != id(graph) or _structure(graph) != structure:
-        return None
-    for consumer in consumers:
-        consumer = consumer()
-        # Gone, or its policy changed since (`to_float`).
-        if consumer is None or keras.backend.standardize_dtype(consumer.compute_dtype) != dtype:
-            return None
-    return dtype
-
-
 def keeps_half_output(layer):
     """Whether `layer` returns a float32 probability in half and keeps the
     half output for its backward pass (`probabilities.kept_in_half`)."""
@@ -210,8 +121,13 @@ def _with_boundary_casts(layer, call):
         if outside is not None and not _inside_a_model_call():
             target = outside
         if target is None:
-            target = _handed_dtype(layer)
-        if target in _HALF and args and getattr(layer, _HALF_KEPT_ATTRIBUTE, False):
+            target = handoff.handed_dtype(layer)
+        if (
+            target in _HALF
+            and args
+            and getattr(layer, _HALF_KEPT_ATTRIBUTE, False)
+            and keras_internals.call_in_training()
+        ):
             # A float32 probability handed to a half consumer: its backward
             # pass keeps the half output.
             return probabilities.kept_in_half(layer, call, target, args, kwargs)
@@ -365,59 +281,18 @@ def set_boundaries(model, outputs=None, entry_dtype=None):
             set_boundary_casts(layer)
             handed = None
             if layer_tree.is_graph(layer):
-                _mark_runs(layer)  # a graph inside calls its own layers
+                handoff.mark_runs(layer)  # a graph inside calls its own layers
             if parent is not None and layer_tree.is_graph(parent) and id(layer) not in held_by_code:
                 if id(parent) not in graphs:
                     graphs[id(parent)] = layer_tree.successors(parent)
-                handed = _half_for_consumers(layer, *graphs[id(parent)])
+                handed = handoff.half_for_consumers(layer, *graphs[id(parent)])
             if handed is None:
-                set_handoff(layer)
+                handoff.clear(layer)
             else:
-                set_handoff(layer, parent, *handed)
+                _install(layer)
+                handoff.record(layer, parent, *handed)
                 returns.append((layer, handed[0], parent))
     return returns
-
-
-def _half_for_consumers(layer, consumers, outputs):
-    """`(dtype, consumers)`: the half dtype a float32 layer of a Sequential
-    or functional model hands on, the one every layer that takes in its
-    outputs there computes in and casts them to on its way in (through
-    layers that only move values), and those layers; None where one of
-    them is the model's output, computes in float32, keeps its inputs'
-    dtype (Keras's `Embedding` family), is a nested model, or is not a
-    layer (`x + 1` on a Keras tensor)."""
-    if keras.backend.standardize_dtype(layer.compute_dtype) != "float32":
-        return None
-    # Whatever it computes, its consumers would round it to their dtype in
-    # this model's run (a LayerNormalization that casts its own inputs, a
-    # count): the hand-off holds in that run only.
-    if layer_tree.is_container(layer) or isinstance(layer, DATA_MOVEMENT):
-        return None
-    found, taking, stack, seen = set(), [], [layer], set()
-    while stack:
-        op = stack.pop()
-        if any(op is o for o in outputs) or id(op) in seen:
-            return None
-        seen.add(id(op))
-        taken_by = consumers.get(id(op), ())
-        if not taken_by:
-            return None
-        for consumer in taken_by:
-            if isinstance(consumer, DATA_MOVEMENT):
-                stack.append(consumer)
-                continue
-            if (
-                not isinstance(consumer, keras.layers.Layer)
-                or layer_tree.is_container(consumer)
-                or not consumer.autocast
-                or not getattr(consumer, "_convert_input_args", True)
-            ):
-                return None
-            found.add(keras.backend.standardize_dtype(consumer.compute_dtype))
-            taking.append(consumer)
-    if len(found) != 1 or not found <= set(_HALF):
-        return None
-    return found.pop(), taking
 
 
 def _set_output_casts(layer):
