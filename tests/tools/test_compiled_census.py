@@ -50,7 +50,7 @@ SAFETY_RULES = ("-1e9", "eps 1e-12", "L2-normalizes", "expert rout", "own arithm
 # computes it in half and overflows to inf on large targets (issue 63).
 SAFETY_RULES += ("float16 could overflow it",)
 SAFETY_RULES += ("attention on JAX's CPU",)
-_KERAS_SHARES = {}
+_KERAS_MEASURED = {}
 
 
 def _build(family, policy="float32"):
@@ -62,18 +62,26 @@ def _build(family, policy="float32"):
         keras.config.set_dtype_policy("float32")
 
 
-def _keras_share(family, dtype):
-    """Keras's own `mixed_<dtype>` policy's share (None: it cannot build the
-    step on this backend), once per family, dtype and process."""
-    if (family, dtype) not in _KERAS_SHARES:
+def _keras_measured(family, dtype, measure):
+    """`measure(model, x, y)` of the family under Keras's own
+    `mixed_<dtype>` policy (None: it cannot build the step on this
+    backend), once per family, dtype, measure and process."""
+    key = (family, dtype, measure)
+    if key not in _KERAS_MEASURED:
         model, x, y, loss = _build(family, f"mixed_{dtype}")
         model.compile(optimizer="adam", loss=loss)
         try:
-            share = compiled_census.census(model, x, y).half_share
+            found = measure(model, x, y)
         except Exception:  # noqa: BLE001 (whatever stops Keras's own step)
-            share = None
-        _KERAS_SHARES[(family, dtype)] = share
-    return _KERAS_SHARES[(family, dtype)]
+            found = None
+        _KERAS_MEASURED[key] = found
+    return _KERAS_MEASURED[key]
+
+
+def _keras_share(family, dtype):
+    """Keras's own `mixed_<dtype>` policy's share of matmul FLOPs in half."""
+    census = _keras_measured(family, dtype, compiled_census.census)
+    return None if census is None else census.half_share
 
 
 JAX = keras.backend.backend() == "jax"
@@ -185,21 +193,11 @@ SLACK = 1024
 OPEN_LIMIT = 1.25
 OPEN = {("t5", "O2"), ("mixtral", "O2")}
 O3_LIMIT = {"jax": 1.15, "torch": 1.16}
-_KERAS_MEMORY = {}
 
 
 def _keras_memory(family, dtype):
-    """Keras's own `mixed_<dtype>` step's `MemoryCensus` (None: it cannot
-    build the step here), once per family, dtype and process."""
-    if (family, dtype) not in _KERAS_MEMORY:
-        model, x, y, loss = _build(family, f"mixed_{dtype}")
-        model.compile(optimizer="adam", loss=loss)
-        try:
-            found = compiled_census.memory(model, x, y)
-        except Exception:  # noqa: BLE001 (whatever stops Keras's own step)
-            found = None
-        _KERAS_MEMORY[(family, dtype)] = found
-    return _KERAS_MEMORY[(family, dtype)]
+    """Keras's own `mixed_<dtype>` step's `MemoryCensus`."""
+    return _keras_measured(family, dtype, compiled_census.memory)
 
 
 def _memory_cells(family):
