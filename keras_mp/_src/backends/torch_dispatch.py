@@ -29,17 +29,11 @@ def matmuls_of_one_step(model, data):
     # tensor autograd saves for the backward pass, share their tensor's.
     dequantized = set()
 
-    def storage(tensor):
-        try:
-            return tensor.untyped_storage().data_ptr()
-        except (RuntimeError, NotImplementedError):
-            return None
-
     def marked(tensor):
-        return storage(tensor) in dequantized
+        return storage_of(tensor) in dequantized
 
     def mark(tensor):
-        pointer = storage(tensor)
+        pointer = storage_of(tensor)
         if pointer is not None and pointer not in dequantized:
             dequantized.add(pointer)
             # Unmarked when the memory is freed (PyTorch keeps one Python
