@@ -13,16 +13,20 @@
 # The measuring processes share the GPU: they compile side by side and take
 # turns on the clock (real_models.py --lock: the warm epoch, the timed rounds
 # and the kernel profiles hold one file lock), so that no two time at once.
-# At most three processes share the GPU; on a GPU of less than 100 GiB the
-# 1B Gemma waits for the other jobs to end.
+# TensorFlow's ResNet50 waits for PyTorch's (five processes together ran an
+# 80 GB H100 out of memory on 2026-11-27). Every job ends by BENCH_END
+# seconds from the start; the suite runs from then to TESTS_END, each
+# backend's failures of the last lease (.lease_in/failed_BACKEND.txt) first.
 set -u
 cd "$(dirname "$0")/.."
 LEASE=${LEASE:-/tmp/lease}
 PIECES=${PIECES:-15}
 ROUNDS=${ROUNDS:-5}
-COMPILE_FOR=${COMPILE_FOR:-330} # seconds a job may spend compiling before it times what it has
-TESTS_FOR=${TESTS_FOR:-150}     # seconds of the test suite, per backend, side by side
+COMPILE_FOR=${COMPILE_FOR:-300} # seconds a job may spend compiling before it times what it has
+BENCH_END=${BENCH_END:-420}     # seconds from the start at which every measuring job ends
+TESTS_END=${TESTS_END:-640}     # ... and the test suite
 mkdir -p "$LEASE"
+cp -r .lease_in "$LEASE/in" 2> /dev/null # the last lease's failures, read at the end
 START=$(date +%s)
 export PYTHONUNBUFFERED=1 XLA_PYTHON_CLIENT_PREALLOCATE=false TF_FORCE_GPU_ALLOW_GROWTH=true
 export TF_CPP_MIN_LOG_LEVEL=2
@@ -36,11 +40,15 @@ left() { # seconds of compiling left (at least 30: each job times something)
     echo $((t > 30 ? t : 30))
 }
 
+until_() { # seconds from now to $1 seconds from the start (at least 10)
+    local t=$(($1 - ($(date +%s) - START)))
+    echo $((t > 10 ? t : 10))
+}
 step() {
-    local limit=$1 name=$2
-    shift 2
+    local name=$1
+    shift
     note "$name"
-    (cd benchmarks && timeout "$limit" "$@") > "$LEASE/$name.log" 2>&1
+    (cd benchmarks && timeout "$(until_ "$BENCH_END")" "$@") > "$LEASE/$name.log" 2>&1
     note "$name rc=$?"
 }
 dump() { echo "--xla_dump_to=/tmp/dump_$1 --xla_dump_hlo_as_text ${2:-}"; }
@@ -48,39 +56,29 @@ JAX_MODULES="--xla_dump_hlo_module_re=.*train_step.*"
 real() { # NAME BACKEND [ENV...] -- ARGS...: real_models.py, timed in turns
     local name=$1 backend=$2
     shift 2
-    step 600 "$name" env KERAS_BACKEND="$backend" "$@" ${TINY:-} --rounds "$ROUNDS" --lock "$LOCK" \
+    step "$name" env KERAS_BACKEND="$backend" "$@" ${TINY:-} --rounds "$ROUNDS" --lock "$LOCK" \
         --compile-for "$(left)"
 }
 
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader >> "$LEASE/status" 2>&1
-MEM_MIB=$(nvidia-smi --query-gpu=memory.total --format=csv,noheader,nounits | head -1)
-GEMMA=(O0 "O0 float32" "O2 float16" "O2 bfloat16" "O3 bfloat16" "keras mixed_float16"
-    "keras mixed_bfloat16" "O2 float8")
-RESNET=(O0 "O0 float32" "O2 float16" "O2 bfloat16" "O3 bfloat16" "keras mixed_float16"
-    "keras mixed_bfloat16")
-# TensorFlow starts last (its kit arrives in pieces): strict float32 is JAX's and PyTorch's.
-TF_GEMMA=(O0 "O2 float16" "O2 bfloat16" "O3 bfloat16" "keras mixed_float16" "keras mixed_bfloat16"
-    "O2 float8")
-TF_RESNET=(O0 "O2 float16" "O2 bfloat16" "keras mixed_float16" "keras mixed_bfloat16")
-
 after() { # waits for the jobs named to end
     local job
     for job in "$@"; do
         while [ ! -e "$LEASE/$job.done" ]; do sleep 2; done
     done
 }
-# Three streams share the GPU at most (2026-11-27: five processes on an
-# 80 GB H100 ran out of memory, and TensorFlow's allocator aborted).
 (
-    real jax_gemma jax XLA_FLAGS="$(dump jax_gemma "$JAX_MODULES")" \
-        python3 real_models.py --models gemma --configs "${GEMMA[@]}"
-    real jax_resnet jax XLA_FLAGS="$(dump jax_resnet "$JAX_MODULES")" \
-        python3 real_models.py --models resnet50 --configs "${RESNET[@]}" \
-        --profile "O2 float16" "keras mixed_float16"
+    # FP8: which forms of a matmul XLA rewrites into FP8 GEMMs (the last
+    # lease's O2 float8 ran none); then the Gemma's memory as XLA plans it.
+    step fp8_probe env KERAS_BACKEND=jax python3 fp8_probe.py
+    step jax_memory env KERAS_BACKEND=jax python3 real_models.py --models gemma \
+        --planned-memory 16 32 --compile-for "$(left)" \
+        --configs O0 "O2 bfloat16" "O3 bfloat16" "keras mixed_bfloat16" "O2 float8"
     touch "$LEASE/jax.done"
 ) &
 (
-    real torch torch python3 real_models.py --models gemma resnet50 --configs "${RESNET[@]}"
+    real torch torch python3 real_models.py --models resnet50 --configs O0 "O0 float32" \
+        "O2 float16" "O2 bfloat16" "O3 bfloat16" "keras mixed_float16" "keras mixed_bfloat16"
     touch "$LEASE/torch.done"
 ) &
 (
@@ -99,45 +97,48 @@ zstandard.ZstdDecompressor().copy_stream(sys.stdin.buffer, sys.stdout.buffer)" |
         note "tf_kit unpacked"
         . /tmp/tfgpu/env.sh
         export TF_CPP_MIN_LOG_LEVEL=2 PYTHONPATH="$PWD:/tmp/keras-mp-site:$PYTHONPATH"
-        real tf_gemma tensorflow XLA_FLAGS="${XLA_FLAGS:-} $(dump tf_gemma)" python3 \
-            real_models.py --models gemma --configs "${TF_GEMMA[@]}"
+        # Three processes compile side by side (TensorFlow's XLA compiles a
+        # Gemma's step in about a minute): each pair to compare in one.
+        real tf_gemma_bf16 tensorflow python3 real_models.py --models gemma \
+            --configs O0 "O2 bfloat16" "keras mixed_bfloat16" &
+        real tf_gemma_f16 tensorflow XLA_FLAGS="${XLA_FLAGS:-} $(dump tf_gemma_f16)" \
+            python3 real_models.py --models gemma \
+            --configs "O2 float16" "keras mixed_float16" "O3 bfloat16" "O2 float8" &
         after torch
-        real tf_resnet tensorflow XLA_FLAGS="${XLA_FLAGS:-} $(dump tf_resnet)" python3 \
-            real_models.py --models resnet50 --configs "${TF_RESNET[@]}"
+        real tf_resnet tensorflow python3 real_models.py --models resnet50 \
+            --configs O0 "O2 float16" "keras mixed_float16" "O2 bfloat16" "keras mixed_bfloat16"
+        wait
     fi
     touch "$LEASE/tf.done"
-) &
-(
-    # FP8 where it pays: a 1B Gemma, O2 float8 (and its FP8 moments) against
-    # O2 bfloat16. Its three configurations hold ~35 GiB between steps: on a
-    # GPU of less than 100 GiB it waits for the other jobs to end.
-    if [ "${MEM_MIB:-0}" -lt 100000 ]; then after jax torch tf; else after jax; fi
-    COMPILE_FOR=$(($(date +%s) - START + ${COMPILE_1B:-200}))
-    real jax_gemma1b jax XLA_FLAGS="$(dump jax_gemma1b "$JAX_MODULES")" \
-        python3 real_models.py --models gemma1b --configs "O2 bfloat16" "O2 float8" \
-        "O2 float8 +moments"
 ) &
 wait
 note "benchmarks done"
 
-# The test suite on the GPU, the three backends side by side for TESTS_FOR
-# seconds each (-v: a run cut short still names its failures).
+# The test suite on the GPU, the three backends side by side until
+# TESTS_END: first each backend's failures of the last lease, then the rest
+# (-v: a run cut short still names its failures; _report_failures writes
+# each failure's traceback as it happens).
 tests() {
-    local b=$1
-    # _report_failures: each failure's traceback as it happens (a suite cut
-    # short by its time limit prints no summary).
-    KERAS_BACKEND=$b FAILURES_LOG="$LEASE/failures_$b.log" PYTHONPATH="$PWD/benchmarks:$PYTHONPATH" \
-        timeout "$TESTS_FOR" python3 -m pytest -n "${JOBS:-5}" -v --tb=short -rfE \
-        -p no:cacheprovider -p no:benchmark -p _report_failures tests > "$LEASE/tests_$b.log" 2>&1
+    local b=$1 first=$LEASE/in/failed_$1.txt
+    local run="import sys, pytest
+first = [l for l in open(sys.argv[1]).read().splitlines() if l] if sys.argv[1] else []
+args = ['-v', '--tb=short', '-p', 'no:cacheprovider', '-p', 'no:benchmark', '-p', '_report_failures']
+if sys.argv[2] == 'first':
+    sys.exit(pytest.main(['-n', '4', *args, *first]) if first else 0)
+sys.exit(pytest.main(['-n', '4', *args, *('--deselect=' + i for i in first), 'tests']))"
+    [ -e "$first" ] || first=""
+    export KERAS_BACKEND=$b FAILURES_LOG="$LEASE/failures_$b.log"
+    export PYTHONPATH="$PWD/benchmarks:$PYTHONPATH"
+    timeout "$(until_ "$TESTS_END")" python3 -c "$run" "$first" first > "$LEASE/tests_first_$b.log" 2>&1
+    note "tests_first_$b rc=$?"
+    timeout "$(until_ "$TESTS_END")" python3 -c "$run" "$first" rest > "$LEASE/tests_$b.log" 2>&1
     note "tests_$b rc=$?"
 }
-if [ "${TESTS_FOR}" -gt 0 ]; then
-    tests jax &
-    tests torch &
-    if [ -e /tmp/tfgpu/env.sh ]; then
-        (. /tmp/tfgpu/env.sh && export PYTHONPATH="$PWD:/tmp/keras-mp-site:$PYTHONPATH" \
-            && tests tensorflow) &
-    fi
-    wait
+tests jax &
+tests torch &
+if [ -e /tmp/tfgpu/env.sh ]; then
+    (. /tmp/tfgpu/env.sh && export PYTHONPATH="$PWD:/tmp/keras-mp-site:$PYTHONPATH" \
+        && tests tensorflow) &
 fi
+wait
 note "done"

@@ -16,6 +16,9 @@ configurations alternated round by round, medians over rounds:
   state the model holds and the speed report's prediction of them;
 - `--max-batch`: the largest power-of-two batch that trains, at O0 and at
   O2/O3 (one process per try: an out-of-memory error ends it).
+- `--planned-memory B1 B2` (JAX): the temporaries XLA plans for the train
+  step at two batches (compiled, not run), and the largest batch they leave
+  room for on the device.
 
     python benchmarks/real_models.py --all                  # every backend
     KERAS_BACKEND=jax python benchmarks/real_models.py --models gemma
@@ -533,6 +536,46 @@ def run_memory(name, config, batch, tiny, jit_compile, predict):
     print(json.dumps(report), flush=True)
 
 
+def run_planned_memory(name, configs, batches, tiny, jit_compile, until=None):
+    """JAX: what XLA plans for `fit`'s train step, compiled and not run
+    (`keras_mp.tools.compiled_census.memory`): its temporaries at two
+    batches, the state it holds (weights, optimizer), and the largest batch
+    that fits the device, the temporaries taken as linear in the batch."""
+    import jax
+    import keras
+
+    from keras_mp._src.tools import compiled_census
+
+    limit = (jax.devices()[0].memory_stats() or {}).get("bytes_limit")
+    print(
+        "| planned | model | configuration | temporaries (MiB) at batch "
+        + " / ".join(map(str, batches))
+        + " | weights + optimizer (MiB) | largest batch (estimate) |",
+        flush=True,
+    )
+    for config in configs:
+        if until and time.time() > until:
+            print(f"| planned | {name} | {config} | skipped: the lease's time | | |")
+            continue
+        try:
+            model, make = _compiled(keras, name, config, tiny, jit_compile)
+            held = [compiled_census.memory(model, *make(b)).held for b in batches]
+            state = _nbytes(model.weights) + _nbytes(model.optimizer.variables)
+            per = (held[-1] - held[0]) / (batches[-1] - batches[0])
+            room = None if not limit or per <= 0 else limit - state - held[0]
+            fits = "n/a" if room is None else int(room / per) + batches[0]
+            print(
+                f"| planned | {name} | {config} | " + " / ".join(_mb(h) for h in held)
+                + f" | {_mb(state)} | {fits} |",
+                flush=True,
+            )  # fmt: skip
+        except Exception as e:  # e.g. a configuration this backend cannot compile
+            why = f"{type(e).__name__}: {str(e)[:80]}"
+            print(f"| planned | {name} | {config} | failed: {why} | | |")
+        _free_device_memory()
+    print(f"# planned on {jax.devices()[0].device_kind}: bytes_limit {_mb(limit)} MiB", flush=True)
+
+
 def _child(backend, *args):
     """Runs this script in a process of its own; (return code, stdout)."""
     out = subprocess.run(
@@ -630,6 +673,10 @@ def main():
         default=None,
         help="seconds from the start after which no more configurations are compiled",
     )
+    parser.add_argument(
+        "--planned-memory", nargs=2, type=int, metavar=("BATCH", "BATCH"), default=None,
+        help="JAX: XLA's planned temporaries of the step at two batches, and the largest batch",
+    )  # fmt: skip
     parser.add_argument("--memory-one", choices=MODELS, help=argparse.SUPPRESS)
     parser.add_argument("--no-prediction", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args()
@@ -644,6 +691,12 @@ def main():
         )
     if args.memory:
         return memory_table(backends, args.models, args.configs, args.tiny, args.jit_compile)
+    if args.planned_memory:
+        until = None if args.compile_for is None else time.time() + args.compile_for
+        for name in args.models:
+            configs = tuple(c for c in CONFIGS if c in args.configs)
+            run_planned_memory(name, configs, sorted(args.planned_memory), args.tiny, jit, until)
+        return
     if args.max_batch:
         return max_batch_table(
             backends, args.models, args.tiny, args.jit_compile, args.start_batch, args.limit_batch
@@ -660,7 +713,7 @@ def main():
             if code:
                 print(f"# {backend}: exit {code}", flush=True)
         return
-    configs = tuple(c for c in CONFIGS if c in args.configs)
+    configs = tuple(dict.fromkeys(args.configs))  # compiled in the order given
     until = None if args.compile_for is None else time.time() + args.compile_for
     for name in args.models:
         batch = args.batch or (4 if args.tiny else BATCH[name])
