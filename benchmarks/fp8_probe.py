@@ -98,7 +98,8 @@ def census(compiled_text):
         for line in compiled_text.splitlines()
         if "custom-call(" in line and ("matmul" in line or "gemm" in line.lower())
     ]
-    fp8_calls = [c for c in calls if f8.search(c.split("custom-call(")[1])]
+    # cuBLASLt's FP8 GEMM is its own target; operands' types are not always printed.
+    fp8_calls = [c for c in calls if "$f8" in c or f8.search(c.split("custom-call(")[1])]
     target = re.compile(r'custom_call_target="([^"]+)"')
     targets = sorted({m.group(1) for c in calls for m in [target.search(c)] if m})
     triton_f8 = sum(
