@@ -184,9 +184,11 @@ def _serve(format, path, x):
         return compiled(flat)[compiled.outputs[0]]
     torch = importlib.import_module("torch")
     module = torch.export.load(path).module()
-    out = module(keras.tree.map_structure(torch.tensor, x))
+    # The program runs where it was traced: Keras's device (a GPU's, if any).
+    device = "cuda" if keras.backend.backend() == "torch" and torch.cuda.is_available() else "cpu"
+    out = module(keras.tree.map_structure(lambda v: torch.tensor(v, device=device), x))
     assert out.dtype == torch.float32
-    return out.detach().numpy()
+    return out.detach().cpu().numpy()
 
 
 def _flat_position(name):

@@ -16,6 +16,7 @@ import numpy as np
 import pytest
 
 import keras_mp
+from keras_mp._src import backends
 from tests.zoo import families
 
 pytestmark = pytest.mark.zoo
@@ -430,7 +431,9 @@ def test_keras_hub_families_train_where_keras_mixed_policy_gives_nan(family, lev
     if family not in _KERAS_MIXED_FLOAT16_IS_NAN:
         outputs = _keras_mixed_float16_outputs(family, x)
         _KERAS_MIXED_FLOAT16_IS_NAN[family] = not np.isfinite(outputs).all()
-    assert _KERAS_MIXED_FLOAT16_IS_NAN[family]
+    # On a CPU; a GPU's kernels may keep Keras's outputs finite (PyTorch's
+    # on an H100 did): keras_mp must train either way.
+    assert _KERAS_MIXED_FLOAT16_IS_NAN[family] or backends.current.gpu_compute_capability()
 
     model.compile(
         optimizer=keras.optimizers.Adam(1e-3),

@@ -346,6 +346,18 @@ def step_each_variable(optimizer):
     the backend fuses the update of all of them (compensated updates)."""
 
 
+def rounded(x, dtype):
+    """`x` (float32) rounded to the half `dtype`, as float32 values.
+
+    Compensated updates keep `x - rounded(x)`, the part the half variable
+    cannot hold. Written `cast(cast(x, half), float32)`, a compiler that
+    allows excess precision may drop the pair of converts (XLA's GPU
+    compiler does: its `SimplifyFPConversions`), and the part kept is 0;
+    the backends whose compiler does so round otherwise.
+    """
+    return ops.cast(ops.cast(x, dtype), "float32")
+
+
 # -- the compiled program ---------------------------------------------------------
 
 

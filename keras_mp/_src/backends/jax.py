@@ -8,6 +8,8 @@ traced and compiled again at every call.
 
 import collections
 
+import keras
+
 from keras_mp._src import keras_internals
 from keras_mp._src.backends import common
 from keras_mp._src.backends.common import *  # noqa: F401,F403 (the portable hooks)
@@ -267,3 +269,14 @@ def train_step_memory(model, data):
     state = keras_internals.jax_training_state(model)
     compiled = jax.jit(model.train_step, donate_argnums=0).lower(state, data).compile()
     return compiled.memory_analysis().temp_size_in_bytes, None
+
+
+def rounded(x, dtype):
+    """bfloat16: `lax.reduce_precision`, a rounding XLA keeps under excess
+    precision (a pair of converts it drops on a GPU). float16: the converts
+    (`reduce_precision` flushes float16's subnormals to zero)."""
+    import jax
+
+    if keras.backend.standardize_dtype(dtype) != "bfloat16":
+        return common.rounded(x, dtype)
+    return jax.lax.reduce_precision(x, exponent_bits=8, mantissa_bits=7)

@@ -9,6 +9,7 @@ that every replica takes the same decision.
 
 import math
 
+import keras
 from keras import ops
 
 from keras_mp._src import keras_internals
@@ -386,3 +387,19 @@ def train_step_memory(model, data):
     spec = tf.nest.map_structure(lambda a: tf.TensorSpec(a.shape, tf.as_dtype(a.dtype)), data)
     graph = tf.function(model.train_step).get_concrete_function(spec).graph
     return None, tf_graph.saved_for_backward(graph)
+
+
+def rounded(x, dtype):
+    """bfloat16: rounded to nearest even on the bits (integer arithmetic,
+    which XLA keeps; a pair of converts it drops on a GPU under excess
+    precision). float16: the converts."""
+    import tensorflow as tf
+
+    if keras.backend.standardize_dtype(dtype) != "bfloat16":
+        return common.rounded(x, dtype)
+    bits = tf.bitcast(tf.convert_to_tensor(x, tf.float32), tf.uint32)
+    odd = tf.bitwise.bitwise_and(tf.bitwise.right_shift(bits, 16), 1)
+    up = tf.bitwise.bitwise_and(bits + 0x7FFF + odd, 0xFFFF0000)
+    finite = tf.math.is_finite(x)
+    # NaN and infinity as they are (rounding a NaN's bits could make it infinite).
+    return tf.where(finite, tf.bitcast(up, tf.float32), x)

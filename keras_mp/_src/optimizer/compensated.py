@@ -113,11 +113,9 @@ class CompensatedUpdates:
                 decay = ops.multiply(learning_rate, _f32(optimizer.weight_decay))
                 exact = ops.subtract(exact, ops.multiply(exact, decay))
             exact = ops.add(exact, rule(optimizer, _f32(gradient), variable, learning_rate))
-            rounded = ops.cast(exact, variable.dtype)
-            optimizer.assign(
-                buffer, ops.cast(ops.subtract(exact, ops.cast(rounded, "float32")), buffer.dtype)
-            )
-            optimizer.assign(variable, rounded)
+            rounded = backends.current.rounded(exact, variable.dtype)
+            optimizer.assign(buffer, ops.cast(ops.subtract(exact, rounded), buffer.dtype))
+            optimizer.assign(variable, ops.cast(rounded, variable.dtype))
 
         def compensated_weight_decay(variables):
             if optimizer.weight_decay is None:
