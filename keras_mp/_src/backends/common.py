@@ -2,8 +2,7 @@
 
 Each backend module (`tensorflow`, `jax`, `torch`) starts from these and
 replaces the ones its execution model does differently. Every function has a
-portable `keras.ops` meaning; none brings a value to the host unless its
-docstring says so.
+portable `keras.ops` meaning; none brings a value to the host unless said.
 """
 
 import contextlib
@@ -15,8 +14,7 @@ from keras import ops
 from keras_mp._src.optimizer.loss_scale import LossScaleState
 from keras_mp._src.optimizer.loss_scale import update
 
-# This process's Keras backend.
-NAME = keras.backend.backend()
+NAME = keras.backend.backend()  # this process's Keras backend
 
 # Gradients of these dtypes are checked by their sum, which overflows only for
 # values near float32's maximum (where the exact check takes over); narrower
@@ -39,6 +37,8 @@ EXPORTS_SAVED_MODEL = True
 OPENVINO_THROUGH_ONNX = False
 
 # The documented switch of the JAX step's form (`backends.jax.skips_by_select`).
+# A float32 norm keeps its half inputs, recomputed (`precision/recomputed.py`).
+RECOMPUTES_FROM_HALF = False
 SKIP_FORM_VARIABLE = "KERAS_MP_JAX_SKIP_FORM"
 
 
@@ -347,14 +347,8 @@ def step_each_variable(optimizer):
 
 
 def rounded(x, dtype):
-    """`x` (float32) rounded to the half `dtype`, as float32 values.
-
-    Compensated updates keep `x - rounded(x)`, the part the half variable
-    cannot hold. Written `cast(cast(x, half), float32)`, a compiler that
-    allows excess precision may drop the pair of converts (XLA's GPU
-    compiler does: its `SimplifyFPConversions`), and the part kept is 0;
-    the backends whose compiler does so round otherwise.
-    """
+    """`x` (float32) rounded to half `dtype`, in float32 (compensated updates). XLA's GPU
+    compiler drops a pair of converts under excess precision: JAX and TF round otherwise."""
     return ops.cast(ops.cast(x, dtype), "float32")
 
 
@@ -398,3 +392,8 @@ def saved_in_half(forward, backward, x, dtype):
         return y, grad
 
     return kept_in_half(x)
+
+
+def recomputed_from_half(function, inputs, weights):
+    """`function(*inputs)`; recomputed from half `inputs` where autograd saves what it reads."""
+    return function(*inputs)

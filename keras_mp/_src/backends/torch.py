@@ -13,6 +13,7 @@ from keras_mp._src.backends.common import *  # noqa: F401,F403 (the portable hoo
 
 EXPORTS_SAVED_MODEL = False
 EAGER_STEP = True
+RECOMPUTES_FROM_HALF = True
 
 
 def unscale_and_check(grads, scale, skip=()):
@@ -226,3 +227,46 @@ def saved_in_half(forward, backward, x, dtype):
 
 
 _KeptInHalf = None
+
+
+def recomputed_from_half(function, inputs, weights):
+    """`function(*inputs)` as one `torch.autograd.Function`: its forward
+    records nothing and saves only the half `inputs`; its backward computes
+    `function` again on them and differentiates it (`weights`: the
+    parameters it reads, whose gradients it returns)."""
+    import torch
+
+    if (
+        not torch.is_grad_enabled()
+        or torch.jit.is_tracing()
+        or not any(t.requires_grad for t in (*inputs, *weights))
+    ):
+        return function(*inputs)
+    global _Recomputed
+    if _Recomputed is None:
+
+        class _Recomputed(torch.autograd.Function):
+            @staticmethod
+            def forward(ctx, function, count, *tensors):
+                ctx.function, ctx.count = function, count
+                ctx.weights = tensors[count:]
+                ctx.save_for_backward(*tensors[:count])
+                outputs = function(*tensors[:count])
+                if not isinstance(outputs, torch.Tensor):
+                    raise TypeError(f"a recomputed layer returned {type(outputs).__name__}")
+                return outputs
+
+            @staticmethod
+            def backward(ctx, upstream):
+                inputs = [x.detach().requires_grad_(x.requires_grad) for x in ctx.saved_tensors]
+                wrt = [t for t in (*inputs, *ctx.weights) if t.requires_grad]
+                with torch.enable_grad():
+                    outputs = ctx.function(*inputs)
+                found = iter(torch.autograd.grad(outputs, wrt, upstream, allow_unused=True))
+                grads = [next(found) if t.requires_grad else None for t in (*inputs, *ctx.weights)]
+                return (None, None, *grads)
+
+    return _Recomputed.apply(function, len(inputs), *inputs, *weights)
+
+
+_Recomputed = None

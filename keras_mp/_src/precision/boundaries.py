@@ -19,6 +19,7 @@ from keras_mp._src import keras_internals
 from keras_mp._src.precision import handoff
 from keras_mp._src.precision import layer_tree
 from keras_mp._src.precision import probabilities
+from keras_mp._src.precision import recomputed
 from keras_mp._src.precision.probabilities import computes_in_float32
 
 _CASTS_ATTRIBUTE = "_keras_mp_boundary_casts"
@@ -143,6 +144,8 @@ def _with_boundary_casts(layer, call):
             # are floats (a lookup of token ids reads the table as it is).
             with keras_internals.AutocastScope(entry):
                 outputs = call(*args, **kwargs)
+        elif recomputed.is_on(layer):
+            outputs = recomputed.call(layer, call, args, kwargs)
         else:
             outputs = call(*args, **kwargs)
         if target is None:
@@ -234,6 +237,7 @@ def set_boundaries(model, outputs=None, entry_dtype=None):
     }
     returns = []
     for layer, parent in layer_tree.tree(model):
+        recomputed.set_recomputed(layer, False)
         if outputs is None and layer is model:
             inner_dtypes[id(layer)] = None if layer_tree.is_graph(layer) else layer.compute_dtype
             continue
@@ -275,6 +279,8 @@ def set_boundaries(model, outputs=None, entry_dtype=None):
             layer.compute_dtype != caller_dtype or layer_tree.is_container(layer) or held
         ):
             set_boundary_casts(layer, output_dtype=caller_dtype)
+            # A float32 norm inside a half block keeps its half inputs.
+            recomputed.set_recomputed(layer, caller_dtype in _HALF and recomputed.applies(layer))
             if layer.compute_dtype != caller_dtype:
                 returns.append((layer, caller_dtype, parent))
         else:
@@ -286,6 +292,9 @@ def set_boundaries(model, outputs=None, entry_dtype=None):
                 if id(parent) not in graphs:
                     graphs[id(parent)] = layer_tree.successors(parent)
                 handed = handoff.half_for_consumers(layer, *graphs[id(parent)])
+            if entry_dtype in _HALF and recomputed.applies(layer):
+                _install(layer)  # a float32 norm of a graph: half inputs where they come
+                recomputed.set_recomputed(layer, True)
             if handed is None:
                 handoff.clear(layer)
             else:
