@@ -177,13 +177,14 @@ MEMORY_FAMILIES = [
 # rule keeps float32 for the numbers (`SAFETY_RULES`: a mixture of experts'
 # router). (KerasHub's T5LayerNorm, float32 at O2 where Keras's policy
 # computes it in half, kept its float32 input for the backward pass, 1.21x
-# on PyTorch's T5: it keeps its half input now, `precision/recomputed.py`.) At O3 the tiny models' float32 master copies
-# and the check of their half gradients cost up to 12 % more temporaries on
-# JAX (a few KiB: the models have more weights than activations); PyTorch's
-# peak at O3 is the optimizer step's (float32 gradients beside half ones).
-# Both are issue 65's open rows (`benchmarks/README.md`). (A CNN's
-# BatchNormalization, float32 at O2, hands half to its half consumers while
-# the model runs: without it PyTorch's peak was 1.10x Keras's on ResNet.)
+# on PyTorch's T5: it keeps its half input now, `precision/recomputed.py`.)
+# At O3 the tiny models' float32 master copies and the check of their half
+# gradients cost up to 12 % more temporaries on JAX (a few KiB: the models
+# have more weights than activations); PyTorch's peak at O3 is the
+# optimizer step's (float32 gradients beside half ones). Both are issue
+# 65's open rows (`benchmarks/README.md`). (A CNN's BatchNormalization,
+# float32 at O2, hands half to its half consumers while the model runs:
+# without it PyTorch's peak was 1.10x Keras's on ResNet.)
 O2_LIMIT = 1.02
 # Plus a constant: the loss-scale state, the finiteness flag and its
 # reductions (under 1 KiB; Keras's bfloat16 policy checks nothing), which
