@@ -113,9 +113,7 @@ def test_a_model_with_recomputed_norms_saves_and_reloads(tmp_path, level):
     model.compile(optimizer="sgd", loss="mse", amp_level=level, amp_dtype="bfloat16")
     path = tmp_path / "model.keras"
     model.save(path)
-    loaded = keras.models.load_model(
-        path, custom_objects={"ScaleNorm": ScaleNorm, "Block": Block}
-    )
+    loaded = keras.models.load_model(path, custom_objects={"ScaleNorm": ScaleNorm, "Block": Block})
     np.testing.assert_array_equal(
         keras.ops.convert_to_numpy(loaded(x[:4])), keras.ops.convert_to_numpy(model(x[:4]))
     )
