@@ -1,10 +1,9 @@
 """TensorFlow: a stateful step in a graph, a `tf.cond` skip, tf.distribute.
 
-The step reads the state, checks the gradients, and takes the decision with
-`tf.cond` on the device. Under XLA (`jit_compile=True`) the conditional is
-kept a real one on a CPU, and half-precision gradients enter it narrow (see
-`docs/design.md`). Under a strategy the finiteness flag is all-reduced, so
-that every replica takes the same decision.
+The step reads the state, checks the gradients, and decides with `tf.cond`
+on the device; under XLA the conditional stays a real one on a CPU, half
+gradients entering it narrow (`docs/design.md`). Under a strategy the
+finiteness flag is all-reduced: every replica takes the same decision.
 """
 
 import math
@@ -24,10 +23,9 @@ XLA_ACROSS_REPLICAS_MESSAGE = (
     "TensorFlow's cross-replica context (`merge_call`), which XLA-compiled "
     "functions do not support (Keras's built-in LossScaleOptimizer crashes "
     "there with a `merge_call` RuntimeError, keras-team/keras#21366; Keras "
-    "itself turns XLA off under tf.distribute with jit_compile='auto'). "
-    "Workarounds: compile with `jit_compile=False` (or 'auto'); or use the JAX "
-    "backend with `keras.distribution.DataParallel`, where the whole step, "
-    "skip included, is compiled by XLA."
+    "itself turns XLA off under tf.distribute with jit_compile='auto'). Workarounds: "
+    "compile with `jit_compile=False` (or 'auto'); or use the JAX backend with "
+    "`keras.distribution.DataParallel`, where XLA compiles the whole step, skip included."
 )
 
 
@@ -390,16 +388,13 @@ def train_step_memory(model, data):
 
 
 def rounded(x, dtype):
-    """bfloat16: rounded to nearest even on the bits (integer arithmetic,
-    which XLA keeps; a pair of converts it drops on a GPU under excess
-    precision). float16: the converts."""
+    """bfloat16: to nearest even on the bits, integer arithmetic XLA keeps
+    (a pair of converts it drops on a GPU); NaN and infinities as they are."""
     import tensorflow as tf
 
     if keras.backend.standardize_dtype(dtype) != "bfloat16":
         return common.rounded(x, dtype)
     bits = tf.bitcast(tf.convert_to_tensor(x, tf.float32), tf.uint32)
     odd = tf.bitwise.bitwise_and(tf.bitwise.right_shift(bits, 16), 1)
-    up = tf.bitwise.bitwise_and(bits + 0x7FFF + odd, 0xFFFF0000)
-    finite = tf.math.is_finite(x)
-    # NaN and infinity as they are (rounding a NaN's bits could make it infinite).
-    return tf.where(finite, tf.bitcast(up, tf.float32), x)
+    up = tf.bitcast(tf.bitwise.bitwise_and(bits + 0x7FFF + odd, 0xFFFF0000), tf.float32)
+    return tf.where(tf.math.is_finite(x), up, x)
