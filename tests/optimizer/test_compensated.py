@@ -53,3 +53,25 @@ def test_steps_below_bfloat16_spacing_add_up_in_the_buffer(inner):
         )
     assert moved[False] == 0.0  # every step rounded away
     assert moved["compensated"] == pytest.approx(64 * step, abs=2.0**-7)
+
+
+@pytest.mark.parametrize("master_weights", [True, "compensated"])
+def test_a_compiled_fit_keeps_what_rounding_lost(master_weights):
+    """`fit` compiled as Keras compiles it (XLA; PyTorch: `jit_compile=True`,
+    torch.compile): steps of 1/8 of the bfloat16 spacing add up in the float32
+    copy and in the compensation. A compiler may drop a pair of converts
+    (torch.compile's inductor does on a CPU, XLA on a GPU), and the part of
+    the step that rounding lost with them: `backends.current.rounded`."""
+    x, y = np.ones((64, 1), "float32"), np.zeros((64, 1), "float32")
+    layer = keras.layers.Dense(1, use_bias=False, kernel_initializer="ones", dtype="bfloat16")
+    model = keras.Sequential([keras.Input((1,)), layer])
+    optimizer = keras_mp.LossScaleOptimizer(
+        keras.optimizers.SGD(2.0**-10), dynamic=False, initial_scale=1.0,
+        master_weights=master_weights,
+    )  # fmt: skip
+    # The gradient of (w x)^2 / 2 is w, about 1: each step moves w by ~2**-10.
+    loss = lambda t, p: 0.5 * keras.ops.mean(keras.ops.square(p - t))  # noqa: E731
+    model.compile(optimizer, loss=loss, jit_compile=True)
+    model.fit(x, y, batch_size=64, epochs=64, verbose=0)
+    moved = 1.0 - float(keras.ops.convert_to_numpy(keras.ops.cast(layer.kernel, "float32"))[0, 0])
+    assert moved == pytest.approx(1 - (1 - 2.0**-10) ** 64, abs=2.0**-7)

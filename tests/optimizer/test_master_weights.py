@@ -9,6 +9,7 @@ decay) at O3 in `test_inner_optimizer.py`, digits accuracy in
 """
 
 import keras
+import ml_dtypes
 import numpy as np
 import pytest
 
@@ -355,3 +356,19 @@ def test_state_is_named_after_its_variable(tmp_path):
     names = {v.name for v in compensated.optimizer.variables}
     for variable in models.half_weights(compensated):
         assert _name(variable, "compensation") in names
+
+
+@pytest.mark.perf
+@pytest.mark.skipif(keras.backend.backend() != "jax", reason="JAX's lowered program")
+def test_the_master_copy_is_compared_with_a_rounding_xla_keeps():
+    """A bfloat16 weight is its master copy's rounding: compared in float32
+    on a GPU, where XLA drops a pair of converts around the copy (the half
+    value then overwrote the master copy at every step); a reduce-precision
+    it keeps."""
+    import jax
+
+    from keras_mp._src.optimizer.master_weights import reconciled
+
+    copy = np.linspace(-2, 2, 8).astype("float32")
+    text = jax.jit(reconciled).lower(copy, copy.astype(ml_dtypes.bfloat16)).as_text()
+    assert "reduce_precision" in text

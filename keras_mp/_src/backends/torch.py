@@ -7,6 +7,8 @@ and the state is updated with in-place torch ops that mirror
 `loss_scale.update` (the tests drive both through every transition).
 """
 
+import keras
+
 from keras_mp._src import keras_internals
 from keras_mp._src.backends import common
 from keras_mp._src.backends.common import *  # noqa: F401,F403 (the portable hooks)
@@ -270,3 +272,15 @@ def recomputed_from_half(function, inputs, weights):
 
 
 _Recomputed = None
+
+
+def rounded(x, dtype):
+    """bfloat16: to nearest even on the bits (torch.compile's inductor drops
+    a pair of casts, as XLA's GPU compiler does); NaN and infinities as they are."""
+    import torch
+
+    if keras.backend.standardize_dtype(dtype) != "bfloat16":
+        return common.rounded(x, dtype)
+    bits = x.float().view(torch.int32)  # int32 wraps as uint32 would
+    up = (bits + 0x7FFF + ((bits >> 16) & 1)) & -65536
+    return torch.where(torch.isfinite(x), up.view(torch.float32), x.float())

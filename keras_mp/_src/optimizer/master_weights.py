@@ -218,10 +218,15 @@ def _mark(variable):
 
 
 def reconciled(copy, value):
-    """The copy, where `value` is its rounding; elsewhere `value` in float32."""
-    return ops.where(
-        ops.equal(ops.cast(copy, value.dtype), value), copy, ops.cast(value, "float32")
-    )
+    """The copy, where `value` is its rounding; elsewhere `value` in float32.
+
+    bfloat16 compares in float32 on a GPU, where XLA then drops the pair of
+    converts around the copy (`backends.common.rounded`): the backend rounds.
+    """
+    wide = ops.cast(value, "float32")
+    if keras.backend.standardize_dtype(value.dtype) == "bfloat16":
+        return ops.where(ops.equal(backends.current.rounded(copy, "bfloat16"), wide), copy, wide)
+    return ops.where(ops.equal(ops.cast(copy, value.dtype), value), copy, wide)
 
 
 def _known(index_of, variable):
