@@ -203,6 +203,14 @@ def own_trainable_variables(layer):
     return list(layer._trainable_variables)
 
 
+def has_state(layer):
+    """Whether `layer` created state its forward may update: non-trainable
+    variables, seed generators (Dropout), or sublayers that may."""
+    return bool(layer._non_trainable_variables or getattr(layer, "_seed_generators", None)) or any(
+        has_state(child) for child in children(layer)
+    )
+
+
 def own_variables(layer):
     """The variables `layer` created itself (not its sublayers')."""
     return list(layer._trainable_variables) + list(layer._non_trainable_variables)

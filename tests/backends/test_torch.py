@@ -43,8 +43,9 @@ def test_torch_apply_reads_one_flag_per_step(monkeypatch):
 @pytest.mark.skipif(BACKEND != "torch", reason="PyTorch's autograd.Function")
 def test_recomputed_from_half_keeps_the_half_inputs_and_the_gradients_to_the_bit():
     """`recomputed_from_half` (a float32 norm of a half model): the backward
-    pass gets the gradients plain autograd gets, to the bit, and the only
-    tensors saved for it are the half inputs (a float32 copy was)."""
+    pass gets the gradients plain autograd gets, to the bit, second-order
+    ones too (a gradient penalty), and the only tensors saved for it are the
+    half inputs (a float32 copy was)."""
     import torch
 
     from keras_mp._src import backends
@@ -53,12 +54,12 @@ def test_recomputed_from_half_keeps_the_half_inputs_and_the_gradients_to_the_bit
     weight = torch.nn.Parameter(torch.rand(16) + 0.5)
     half = (torch.randn(4, 8, 16) * 3).to(torch.bfloat16).requires_grad_(True)
 
-    def norm(x):  # T5's `T5LayerNorm`, in float32
-        x = x.float()
-        return weight * (x * torch.rsqrt(torch.mean(x * x, -1, keepdim=True) + 1e-6))
+    def norm(inputs, weights):  # T5's `T5LayerNorm`, in float32
+        x = inputs[0].float()
+        return weights[0] * (x * torch.rsqrt(torch.mean(x * x, -1, keepdim=True) + 1e-6))
 
     upstream = torch.randn(4, 8, 16)
-    expected = torch.autograd.grad(norm(half), (half, weight), upstream)
+    expected = torch.autograd.grad(norm([half], [weight]), (half, weight), upstream)
     saved = []
 
     def pack(t):
@@ -68,9 +69,17 @@ def test_recomputed_from_half_keeps_the_half_inputs_and_the_gradients_to_the_bit
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
         out = backends.current.recomputed_from_half(norm, [half], [weight])
     assert saved == [(torch.bfloat16, (4, 8, 16))]
-    assert torch.equal(out, norm(half))
+    assert torch.equal(out, norm([half], [weight]))
     got = torch.autograd.grad(out, (half, weight), upstream)
     for g, e in zip(got, expected):
         assert g.dtype == e.dtype and torch.equal(g, e)
+
+    def penalty(function):  # the input gradient's norm, differentiated again
+        (g,) = torch.autograd.grad(function([half], [weight]).sum(), half, create_graph=True)
+        return torch.autograd.grad(g.float().square().sum(), weight)[0]
+
+    plain = penalty(norm)
+    again = penalty(lambda i, w: backends.current.recomputed_from_half(norm, i, w))
+    assert torch.equal(again, plain)
     with torch.no_grad():  # nothing to keep: the plain call
         assert torch.equal(backends.current.recomputed_from_half(norm, [half], [weight]), out)

@@ -117,3 +117,30 @@ def test_a_model_with_recomputed_norms_saves_and_reloads(tmp_path, level):
     np.testing.assert_array_equal(
         keras.ops.convert_to_numpy(loaded(x[:4])), keras.ops.convert_to_numpy(model(x[:4]))
     )
+
+
+@pytest.mark.skipif(BACKEND != "torch", reason="PyTorch's autograd, by hand")
+@pytest.mark.parametrize("frozen", [False, True], ids=["trained", "frozen-norms"])
+def test_a_stateless_call_differentiates_the_values_it_was_given(frozen):
+    """A custom loop's `stateless_call` (values of its own, not the
+    variables'): the recomputed norms differentiate those values, as the
+    plain call does; frozen norms (LoRA) are recomputed too."""
+    import torch
+
+    x, _ = _data()
+    model = _model()
+    model.compile(optimizer="sgd", loss="mse", amp_level="O2", amp_dtype="bfloat16")
+    for name in ("graph_norm",):
+        model.get_layer(name).trainable = not frozen
+    trainable = [v.value.detach().clone().requires_grad_(True) for v in model.trainable_variables]
+    others = [v.value.detach().clone() for v in model.non_trainable_variables]
+    inputs = torch.tensor(x[:8])
+    out, _ = model.stateless_call(trainable, others, inputs, training=True)
+    grads = torch.autograd.grad(out.float().square().sum(), trainable)
+    # The same values as the variables: the plain call's gradients.
+    out = model(inputs, training=True)
+    expected = torch.autograd.grad(
+        out.float().square().sum(), [v.value for v in model.trainable_variables]
+    )
+    for variable, g, e in zip(model.trainable_variables, grads, expected):
+        assert g is not None and torch.equal(g, e), variable.path

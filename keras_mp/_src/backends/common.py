@@ -396,4 +396,4 @@ def saved_in_half(forward, backward, x, dtype):
 
 def recomputed_from_half(function, inputs, weights):
     """`function(*inputs)`; recomputed from half `inputs` where autograd saves what it reads."""
-    return function(*inputs)
+    return function(inputs, weights)

@@ -232,10 +232,11 @@ _KeptInHalf = None
 
 
 def recomputed_from_half(function, inputs, weights):
-    """`function(*inputs)` as one `torch.autograd.Function`: its forward
-    records nothing and saves only the half `inputs`; its backward computes
-    `function` again on them and differentiates it (`weights`: the
-    parameters it reads, whose gradients it returns)."""
+    """`function(inputs, weights)` as one `torch.autograd.Function`: its
+    forward records nothing and saves only the half `inputs`; its backward
+    computes `function` again on them and differentiates it (`weights`: the
+    values it reads, whose gradients it returns), differentiably again
+    under `create_graph` (a gradient penalty)."""
     import torch
 
     if (
@@ -243,7 +244,7 @@ def recomputed_from_half(function, inputs, weights):
         or torch.jit.is_tracing()
         or not any(t.requires_grad for t in (*inputs, *weights))
     ):
-        return function(*inputs)
+        return function(inputs, weights)
     global _Recomputed
     if _Recomputed is None:
 
@@ -253,22 +254,35 @@ def recomputed_from_half(function, inputs, weights):
                 ctx.function, ctx.count = function, count
                 ctx.weights = tensors[count:]
                 ctx.save_for_backward(*tensors[:count])
-                outputs = function(*tensors[:count])
+                outputs = function(tensors[:count], tensors[count:])
                 if not isinstance(outputs, torch.Tensor):
                     raise TypeError(f"a recomputed layer returned {type(outputs).__name__}")
                 return outputs
 
             @staticmethod
             def backward(ctx, upstream):
-                inputs = [x.detach().requires_grad_(x.requires_grad) for x in ctx.saved_tensors]
+                inputs = ctx.saved_tensors
+                again = torch.is_grad_enabled()  # `create_graph`: differentiable
+                if not again:
+                    inputs = [x.detach().requires_grad_(x.requires_grad) for x in inputs]
                 wrt = [t for t in (*inputs, *ctx.weights) if t.requires_grad]
-                with torch.enable_grad():
-                    outputs = ctx.function(*inputs)
-                found = iter(torch.autograd.grad(outputs, wrt, upstream, allow_unused=True))
+                # What the second forward saves is the backward's own (a
+                # memory census of the step leaves it out).
+                with torch.enable_grad(), torch.autograd.graph.saved_tensors_hooks(_kept, _kept):
+                    outputs = ctx.function(inputs, ctx.weights)
+                found = iter(
+                    torch.autograd.grad(
+                        outputs, wrt, upstream, allow_unused=True, create_graph=again
+                    )
+                )
                 grads = [next(found) if t.requires_grad else None for t in (*inputs, *ctx.weights)]
                 return (None, None, *grads)
 
     return _Recomputed.apply(function, len(inputs), *inputs, *weights)
+
+
+def _kept(tensor):
+    return tensor
 
 
 _Recomputed = None

@@ -93,10 +93,6 @@ def memory_of_one_step(model, data):
         live["now"] -= size
 
     def pack(tensor):
-        if torch._C._current_autograd_node() is not None:
-            # Saved by the backward pass itself (a recomputed norm's second
-            # forward): freed with it, not kept from the forward.
-            return tensor
         pointer = storage_of(tensor)
         if pointer is not None and pointer not in own and (pointer, tensor.dtype) not in seen:
             seen.add((pointer, tensor.dtype))

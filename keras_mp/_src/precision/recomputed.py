@@ -44,7 +44,9 @@ def applies(layer):
         and layer_kinds.is_normalization(layer)
         and not type(layer).__module__.startswith("keras.")
         and not isinstance(layer, keras.layers.BatchNormalization)
-        and not layer.non_trainable_weights
+        # Created state (moving statistics, a Dropout's seed): a second
+        # forward would update it again. Frozen weights are no state.
+        and not keras_internals.has_state(layer)
         and getattr(layer, "_convert_input_args", False)
         and keras.backend.standardize_dtype(layer.compute_dtype) == "float32"
     )
@@ -62,10 +64,22 @@ def set_recomputed(layer, on):
         return
     object.__setattr__(layer, _ATTRIBUTE, bool(on))
     if on:
-        object.__setattr__(layer, _CONVERTS_ATTRIBUTE, layer._convert_input_args)
+        object.__setattr__(
+            layer,
+            _CONVERTS_ATTRIBUTE,
+            (layer._convert_input_args, layer._allow_non_tensor_positional_args),
+        )
+        # A direct call on NumPy arrays: converted by `call` below.
         object.__setattr__(layer, "_convert_input_args", False)
+        object.__setattr__(layer, "_allow_non_tensor_positional_args", True)
     else:
-        object.__setattr__(layer, "_convert_input_args", getattr(layer, _CONVERTS_ATTRIBUTE, True))
+        _restore(layer)
+
+
+def _restore(layer):
+    converts, non_tensors = getattr(layer, _CONVERTS_ATTRIBUTE, (True, False))
+    object.__setattr__(layer, "_convert_input_args", converts)
+    object.__setattr__(layer, "_allow_non_tensor_positional_args", non_tensors)
 
 
 def call(layer, call, args, kwargs):
@@ -88,17 +102,21 @@ def call(layer, call, args, kwargs):
             for x in inputs
         )
     ):
-        weights = [v.value for v in layer.trainable_weights]
+        # The values the forward reads (a `stateless_call`'s too): the
+        # backward computes again from the same ones, whose gradients it gives.
+        variables = list(layer.variables)
+        values = [v.value for v in variables]
+
+        def function(half, values):
+            with keras.StatelessScope(state_mapping=list(zip(variables, values))):
+                return call(*[convert(x) for x in half], **kwargs)
+
         try:
-            return backends.current.recomputed_from_half(
-                lambda *half: call(*[convert(x) for x in half], **kwargs), inputs, weights
-            )
+            return backends.current.recomputed_from_half(function, inputs, values)
         except TypeError:
             # A norm returning a structure (or failing): as written from now
             # on, which raises a failure of its own again.
             object.__setattr__(layer, _ATTRIBUTE, False)
-            object.__setattr__(
-                layer, "_convert_input_args", getattr(layer, _CONVERTS_ATTRIBUTE, True)
-            )
+            _restore(layer)
     args, kwargs = keras.tree.map_structure(convert, (args, kwargs))
     return call(*args, **kwargs)
