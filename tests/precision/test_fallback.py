@@ -221,3 +221,29 @@ def test_a_step_that_fails_for_another_reason_keeps_its_own_error():
     model.compile(optimizer="sgd", loss="mse", amp_level="O2")
     with pytest.raises(ValueError, match="a bug of the step's own"):
         model.fit(np.ones((4, 3), "float32"), np.ones((4, 2), "float32"), verbose=0)
+
+
+@pytest.mark.skipif(BACKEND != "torch", reason="PyTorch's eager step can be run again")
+def test_a_device_error_is_raised_as_it_is():
+    """Tensors on a GPU and on the CPU (a keras-io GAN's `train_step` on an
+    H100): no layer is probed in half, nor is half precision named."""
+
+    class OnTwoDevices(keras.Model):
+        def __init__(self):
+            super().__init__()
+            self.dense = keras.layers.Dense(2)
+
+        def call(self, x):
+            return self.dense(x)
+
+        def train_step(self, data):
+            raise RuntimeError(
+                "Expected all tensors to be on the same device, but found at least two "
+                "devices, cuda:0 and cpu!"
+            )
+
+    model = OnTwoDevices()
+    model.compile(optimizer="sgd", loss="mse", amp_level="O2")
+    with pytest.raises(RuntimeError, match="same device") as raised:
+        model.fit(np.ones((4, 3), "float32"), np.ones((4, 2), "float32"), verbose=0)
+    assert not any("keras_mp" in note for note in getattr(raised.value, "__notes__", []))

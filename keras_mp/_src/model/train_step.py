@@ -217,7 +217,7 @@ def _stateful_train_step(original, model, optimizers, guard):
             try:
                 logs = original(data)
             except Exception as error:
-                if not backends.current.EAGER_STEP:
+                if not backends.current.EAGER_STEP or not fallback.may_come_from_half(error):
                     raise
                 # PyTorch: a layer without a half gradient kernel here.
                 _keep_failing_layers_in_float32(model, error)

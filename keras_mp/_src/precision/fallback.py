@@ -168,6 +168,14 @@ def keep_in_float32(layer, reason):
     )
 
 
+def may_come_from_half(error):
+    """Whether a failed step's error may be a layer's half kernel: not an
+    error about devices (tensors on a GPU and on the CPU), which no
+    precision explains."""
+    text = str(error)
+    return "same device" not in text and "device mismatch" not in text.lower()
+
+
 def note_no_layer_fails_alone(error):
     """Adds to the error of a half step, which no layer's probe explains,
     what was tried and the fix (the error itself is left as it is: it may
