@@ -204,8 +204,9 @@ def test_a_layer_without_a_half_gradient_kernel_falls_back_at_the_first_step(lev
     assert losses[-1] < losses[0]
 
 
-@pytest.mark.skipif(BACKEND != "torch", reason="PyTorch's eager step can be run again")
-def test_a_step_that_fails_for_another_reason_keeps_its_own_error():
+def _fit_a_step_raising(error):
+    """`fit` at O2 of a model whose own `train_step` raises `error`."""
+
     class Broken(keras.Model):
         def __init__(self):
             super().__init__()
@@ -215,35 +216,27 @@ def test_a_step_that_fails_for_another_reason_keeps_its_own_error():
             return self.dense(x)
 
         def train_step(self, data):
-            raise ValueError("a bug of the step's own")
+            raise error
 
     model = Broken()
     model.compile(optimizer="sgd", loss="mse", amp_level="O2")
+    model.fit(np.ones((4, 3), "float32"), np.ones((4, 2), "float32"), verbose=0)
+
+
+@pytest.mark.skipif(BACKEND != "torch", reason="PyTorch's eager step can be run again")
+def test_a_step_that_fails_for_another_reason_keeps_its_own_error():
     with pytest.raises(ValueError, match="a bug of the step's own"):
-        model.fit(np.ones((4, 3), "float32"), np.ones((4, 2), "float32"), verbose=0)
+        _fit_a_step_raising(ValueError("a bug of the step's own"))
 
 
 @pytest.mark.skipif(BACKEND != "torch", reason="PyTorch's eager step can be run again")
 def test_a_device_error_is_raised_as_it_is():
     """Tensors on a GPU and on the CPU (a keras-io GAN's `train_step` on an
     H100): no layer is probed in half, nor is half precision named."""
-
-    class OnTwoDevices(keras.Model):
-        def __init__(self):
-            super().__init__()
-            self.dense = keras.layers.Dense(2)
-
-        def call(self, x):
-            return self.dense(x)
-
-        def train_step(self, data):
-            raise RuntimeError(
-                "Expected all tensors to be on the same device, but found at least two "
-                "devices, cuda:0 and cpu!"
-            )
-
-    model = OnTwoDevices()
-    model.compile(optimizer="sgd", loss="mse", amp_level="O2")
+    device_error = RuntimeError(
+        "Expected all tensors to be on the same device, but found at least two "
+        "devices, cuda:0 and cpu!"
+    )
     with pytest.raises(RuntimeError, match="same device") as raised:
-        model.fit(np.ones((4, 3), "float32"), np.ones((4, 2), "float32"), verbose=0)
+        _fit_a_step_raising(device_error)
     assert not any("keras_mp" in note for note in getattr(raised.value, "__notes__", []))
