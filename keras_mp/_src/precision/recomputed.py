@@ -73,13 +73,9 @@ def set_recomputed(layer, on):
         object.__setattr__(layer, "_convert_input_args", False)
         object.__setattr__(layer, "_allow_non_tensor_positional_args", True)
     else:
-        _restore(layer)
-
-
-def _restore(layer):
-    converts, non_tensors = getattr(layer, _CONVERTS_ATTRIBUTE, (True, False))
-    object.__setattr__(layer, "_convert_input_args", converts)
-    object.__setattr__(layer, "_allow_non_tensor_positional_args", non_tensors)
+        converts, non_tensors = getattr(layer, _CONVERTS_ATTRIBUTE, (True, False))
+        object.__setattr__(layer, "_convert_input_args", converts)
+        object.__setattr__(layer, "_allow_non_tensor_positional_args", non_tensors)
 
 
 def call(layer, call, args, kwargs):
@@ -116,7 +112,6 @@ def call(layer, call, args, kwargs):
         except TypeError:
             # A norm returning a structure (or failing): as written from now
             # on, which raises a failure of its own again.
-            object.__setattr__(layer, _ATTRIBUTE, False)
-            _restore(layer)
+            set_recomputed(layer, False)
     args, kwargs = keras.tree.map_structure(convert, (args, kwargs))
     return call(*args, **kwargs)
