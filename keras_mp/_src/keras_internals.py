@@ -286,6 +286,14 @@ def built_input_shape(layer):
     return (getattr(layer, "_build_shapes_dict", None) or {}).get("input_shape")
 
 
+def is_keras_train_step(train_step):
+    """Whether a bound `train_step` is Keras's PyTorch trainer's own (not a
+    model's override)."""
+    from keras.src.backend.torch.trainer import TorchTrainer
+
+    return getattr(train_step, "__func__", None) is TorchTrainer.train_step
+
+
 def build_for_training(model, data):
     """Builds `model`, its optimizer and metrics for a batch `data` (`(x, y)`)
     as `fit` does before its first step, running nothing."""

@@ -83,3 +83,51 @@ def test_recomputed_from_half_keeps_the_half_inputs_and_the_gradients_to_the_bit
     assert torch.equal(again, plain)
     with torch.no_grad():  # nothing to keep: the plain call
         assert torch.equal(backends.current.recomputed_from_half(norm, [half], [weight]), out)
+
+
+class _OwnStep(keras.Sequential):
+    """A model with a `train_step` of its own (Keras's, through `super()`)."""
+
+    def train_step(self, data):
+        return super().train_step(data)
+
+
+def _o3_model(cls, dtype):
+    keras.utils.set_random_seed(3)
+    model = cls(
+        [
+            keras.Input((6,)),
+            keras.layers.Dense(16, activation="relu"),
+            keras.layers.Dense(16, activation="tanh"),
+            keras.layers.Dense(3),
+        ]
+    )
+    model.compile(optimizer="adam", loss="mse", amp_level="O3", amp_dtype=dtype)
+    return model
+
+
+@pytest.mark.skipif(BACKEND != "torch", reason="PyTorch's post-accumulate-grad hooks")
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
+def test_o3_takes_half_gradients_in_float32_with_the_same_updates(dtype):
+    """At O3, Keras's own train step hands the master update float32
+    gradients taken as the backward pass makes them (`.grad` let go: the
+    step holds no half gradients beside them); a model's own `train_step`
+    sees `.grad` as PyTorch leaves it. The weights are the same to the bit."""
+    rng = np.random.default_rng(0)
+    x = rng.normal(size=(32, 6)).astype("float32")
+    y = rng.normal(size=(32, 3)).astype("float32")
+    taken, own = _o3_model(keras.Sequential, dtype), _o3_model(_OwnStep, dtype)
+    for _ in range(3):
+        taken.train_on_batch(x, y)
+        own.train_on_batch(x, y)
+    for a, b in zip(
+        taken.variables + taken.optimizer.variables, own.variables + own.optimizer.variables
+    ):
+        np.testing.assert_array_equal(
+            np.asarray(a.numpy(), "float32"), np.asarray(b.numpy(), "float32"), err_msg=a.path
+        )
+    kernel = taken.layers[0].kernel
+    assert keras.backend.standardize_dtype(kernel.dtype) == dtype
+    assert kernel.value.grad is None
+    assert own.layers[0].kernel.value.grad.dtype == kernel.value.dtype
+    assert int(taken.optimizer.skipped_steps.numpy()) == int(own.optimizer.skipped_steps.numpy())

@@ -180,9 +180,12 @@ MEMORY_FAMILIES = [
 # on PyTorch's T5: it keeps its half input now, `precision/recomputed.py`.)
 # At O3 the tiny models' float32 master copies and the check of their half
 # gradients cost up to 12 % more temporaries on JAX (a few KiB: the models
-# have more weights than activations); PyTorch's peak at O3 is the
-# optimizer step's (float32 gradients beside half ones). Both are issue
-# 65's open rows (`benchmarks/README.md`). (A CNN's BatchNormalization,
+# have more weights than activations), issue 65's open row
+# (`benchmarks/README.md`). (PyTorch's peak at O3, the optimizer step's,
+# held the half gradients beside their float32 copies, 1.15x on the tiny
+# models and 1.13x on the issue's BERT: Keras's own step now hands the
+# master update float32 gradients taken as the backward pass makes them,
+# `backends.torch.Float32Grads`.) (A CNN's BatchNormalization,
 # float32 at O2, hands half to its half consumers while the model runs:
 # without it PyTorch's peak was 1.10x Keras's on ResNet.)
 O2_LIMIT = 1.02
@@ -192,7 +195,7 @@ O2_LIMIT = 1.02
 SLACK = 1024
 OPEN_LIMIT = 1.25
 OPEN = {("mixtral", "O2")}
-O3_LIMIT = {"jax": 1.15, "torch": 1.16}
+O3_LIMIT = {"jax": 1.15, "torch": O2_LIMIT}
 
 
 def _keras_memory(family, dtype):

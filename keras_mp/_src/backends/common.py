@@ -36,9 +36,11 @@ EXPORTS_SAVED_MODEL = True
 # OpenVINO reads, and converts that.
 OPENVINO_THROUGH_ONNX = False
 
-# The documented switch of the JAX step's form (`backends.jax.skips_by_select`).
 # A float32 norm keeps its half inputs, recomputed (`precision/recomputed.py`).
 RECOMPUTES_FROM_HALF = False
+# O3's half gradients taken in float32 as the backward pass makes them (PyTorch).
+Float32Grads = None
+# The documented switch of the JAX step's form (`backends.jax.skips_by_select`).
 SKIP_FORM_VARIABLE = "KERAS_MP_JAX_SKIP_FORM"
 
 
@@ -302,8 +304,7 @@ def gpu_compute_capability():
 
 
 def gpu_name():
-    """The first GPU's name as its driver gives it ("NVIDIA H100 80GB HBM3"),
-    or None."""
+    """The first GPU's name from its driver ("NVIDIA H100 80GB HBM3"), or None."""
     return None
 
 

@@ -7,6 +7,10 @@ and the state is updated with in-place torch ops that mirror
 `loss_scale.update` (the tests drive both through every transition).
 """
 
+import contextlib
+import functools
+import weakref
+
 import keras
 
 from keras_mp._src import keras_internals
@@ -112,6 +116,64 @@ def _bound(scale, value):
 
         _BOUNDS[key] = torch.tensor(value, dtype=scale.dtype, device=scale.device)
     return _BOUNDS[key]
+
+
+class Float32Grads:
+    """O3's half gradients in float32, each taken as the backward pass
+    accumulates it (`register_post_accumulate_grad_hook`), its half `.grad`
+    let go there, as Apex's O2 drops the half gradients once the master
+    gradients hold them.
+
+    Otherwise a step holds every half gradient (autograd's `.grad`, listed
+    by Keras's train step) beside its float32 copy for the master update:
+    half again the float32 gradients' bytes at the optimizer's peak, which
+    Keras's policy (float32 gradients only) does not pay. The values are the
+    same: the half sum autograd accumulated, converted once (two backward
+    passes in one step add in float32).
+
+    Taken only while `collecting` (Keras's own train step, whose one reader
+    of `.grad` is the list it hands to the optimizer, where `filled` puts
+    them back); elsewhere `.grad` is as PyTorch leaves it.
+
+    Args:
+        variables: the half variables with float32 master copies.
+    """
+
+    def __init__(self, variables):
+        self.taken = {}
+        self.on = False
+        take = functools.partial(_take, weakref.ref(self))
+        for variable in variables:
+            variable.value.register_post_accumulate_grad_hook(take)
+
+    @contextlib.contextmanager
+    def collecting(self):
+        self.taken.clear()
+        self.on = True
+        try:
+            yield
+        finally:
+            self.on = False
+            self.taken.clear()
+
+    def filled(self, grads, variables):
+        """`grads` with each gradient taken in place of its `None`."""
+        if not self.taken:
+            return grads
+        return [
+            self.taken.pop(id(v.value), None) if g is None else g
+            for g, v in zip(grads, variables)
+        ]
+
+
+def _take(owner, parameter):
+    self = owner()
+    if self is None or not self.on or parameter.grad is None:
+        return
+    grad = parameter.grad.float()
+    earlier = self.taken.get(id(parameter))  # a second backward pass in the step
+    self.taken[id(parameter)] = grad if earlier is None else earlier.add_(grad)
+    parameter.grad = None
 
 
 def log_value(variable):

@@ -12,6 +12,7 @@ FP8 and back (Keras's float8 layers: scaled, viewed, transposed) is
 "float8".
 """
 
+import gc
 import math
 import weakref
 
@@ -114,10 +115,16 @@ def memory_of_one_step(model, data):
                 weakref.finalize(tensor.untyped_storage(), freed, pointer, size)
             return out
 
+    # Python's cyclic collector would free some tensors (a cycle through
+    # the autograd graph) at a moment that depends on the process's history:
+    # not during the step, the same count in any process.
+    gc.collect()
+    gc.disable()
     try:
         with Peak(), torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
             model.train_on_batch(*data)
     finally:
+        gc.enable()
         for variable, value in zip(variables, before):
             variable.assign(value)
     return live["peak"], saved

@@ -24,6 +24,7 @@ brought to the host):
   overflowed reports its loss, not 0.
 """
 
+import contextlib
 import functools
 import inspect
 
@@ -31,6 +32,7 @@ import keras
 from keras import ops
 
 from keras_mp._src import backends
+from keras_mp._src import keras_internals
 from keras_mp._src.model import assigned_half
 from keras_mp._src.model.callbacks import EpochTelemetry
 from keras_mp._src.model.callbacks import ProgbarLogger
@@ -215,7 +217,8 @@ def _stateful_train_step(original, model, optimizers, guard):
             skipped_before = [ops.copy(o.skipped_steps.value) for _, o in optimizers]
         with _StepFlags(optimizers) as flags, assigned_half.Noting(model, optimizers):
             try:
-                logs = original(data)
+                with _taking_float32_grads(model, original, optimizers):
+                    logs = original(data)
             except Exception as error:
                 if not backends.current.EAGER_STEP or not fallback.may_come_from_half(error):
                     raise
@@ -224,7 +227,8 @@ def _stateful_train_step(original, model, optimizers, guard):
                 if guard:  # the failed try updated the metrics already
                     for variable, old in state + metrics:
                         variable.assign(old)
-                logs = original(data)
+                with _taking_float32_grads(model, original, optimizers):
+                    logs = original(data)
         if guard:
             # Any optimizer's skip: a NaN batch skips them all.
             moved = [
@@ -250,6 +254,26 @@ def _stateful_train_step(original, model, optimizers, guard):
         )
 
     return train_step
+
+
+def _taking_float32_grads(model, original, optimizers):
+    """PyTorch at O3: inside Keras's own train step, each optimizer with
+    master weights takes the half gradients in float32 as the backward pass
+    makes them (`backends.torch.Float32Grads`), so that the step holds
+    float32 gradients, as under Keras's policy, not half ones beside them.
+    Not in a model's own `train_step` (it may read `.grad`), nor under
+    `jit_compile` (torch.compile traces the step)."""
+    takers = [
+        o._masters.float32_grads
+        for _, o in optimizers
+        if o._masters is not None and o._masters.float32_grads is not None
+    ]
+    if not takers or model.jit_compile or not keras_internals.is_keras_train_step(original):
+        return contextlib.nullcontext()
+    stack = contextlib.ExitStack()
+    for taker in takers:
+        stack.enter_context(taker.collecting())
+    return stack
 
 
 def _keep_failing_layers_in_float32(model, error):

@@ -305,6 +305,8 @@ class LossScaleOptimizer(
         if trainable_variables is None:
             trainable_variables = self._trainable_variables
         trainable_variables = list(trainable_variables)
+        if self._masters is not None and self._masters.float32_grads is not None:
+            grads = self._masters.float32_grads.filled(grads, trainable_variables)
         unscaled_by_caller = self._grads_unscaled_by_caller
         self._grads_unscaled_by_caller = False
         if not unscaled_by_caller:

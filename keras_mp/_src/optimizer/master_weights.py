@@ -97,6 +97,12 @@ class MasterWeights:
         self.write_marks = {}
         # Where the copies sit among the optimizer's own variables.
         self.own_indices = {i: first + k for k, i in enumerate(self.positions)}
+        # PyTorch: the half gradients, taken in float32 as the backward pass
+        # makes them (while Keras's own train step runs).
+        self.float32_grads = None
+        if backends.current.Float32Grads is not None and self.positions:
+            half = [var_list[i] for i in self.positions]
+            self.float32_grads = backends.current.Float32Grads(half)
 
     def __bool__(self):
         return bool(self.positions)
