@@ -69,21 +69,13 @@ def test_jax_select_form_has_no_conditional(jax_skip_form, monkeypatch):
 
 @pytest.mark.perf
 @pytest.mark.skipif(BACKEND != "jax", reason="JAX's select form of the skip")
-@pytest.mark.parametrize(
-    "master_weights",
-    [
-        False,
-        # Left: the master copy and the half weight are still copied once
-        # (the copy is chosen after its reconciliation, in a second select).
-        # On a CPU; XLA's GPU compiler copies neither (an H100, 2026-11-27).
-        pytest.param(
-            True,
-            marks=pytest.mark.xfail(ON_CPU, strict=True, reason="copies the master on a CPU"),
-        ),
-    ],
-)
+@pytest.mark.parametrize("master_weights", [False, True])
 def test_jax_select_form_copies_no_slot(monkeypatch, master_weights):
     """The select form updates the slots in place, as the plain step does.
+
+    With master weights, the half weight is cast from the kept copy as
+    written (`backends.computed_once`): fused again from the old copy, XLA's
+    CPU compiler copied each master copy and half weight first.
 
     Selected only after the inner optimizer's update, the weight update
     recomputed Adam's new moments from the old ones while the moments were

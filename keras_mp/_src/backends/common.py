@@ -202,9 +202,7 @@ def assign_state(step, old_state, new_state):
 
 def apply(step, grads, trainable_variables, unscaled_by_caller):
     """One loss-scaled step on variables (see `loss_scale.Step`)."""
-    raise NotImplementedError(
-        f"keras_mp's LossScaleOptimizer does not support the {keras.backend.backend()} backend."
-    )
+    raise NotImplementedError(f"keras_mp's LossScaleOptimizer does not support the {NAME} backend.")
 
 
 def stateless_step(step, optimizer_values, grads, trainable_values, by_select=None):
@@ -293,9 +291,7 @@ def outside_the_step():
 
 def float32_gradients(model, x, y, loss_fn, sample_weight):
     """Gradients of the loss with respect to `model.trainable_variables`."""
-    raise NotImplementedError(
-        f"keras_mp.analyze does not support the {keras.backend.backend()} backend."
-    )
+    raise NotImplementedError(f"keras_mp.analyze does not support the {NAME} backend.")
 
 
 def gpu_compute_capability():
@@ -309,9 +305,8 @@ def gpu_name():
 
 
 def timed_matmul(n, dtype):
-    """A callable running one `n` x `n` x `n` matmul in `dtype` on the CPU
-    the way `fit` runs a step's matmuls on this backend, returning when its
-    result is ready (`cpu_rates.py` times it)."""
+    """A callable running one `n` x `n` x `n` matmul in `dtype` on the CPU as `fit`
+    runs a step's matmuls here, returning when its result is ready (`cpu_rates.py`)."""
     a = ops.cast(keras.random.uniform((n, n), seed=1), dtype)
     b = ops.cast(keras.random.uniform((n, n), seed=2), dtype)
     return lambda: ops.convert_to_numpy(ops.matmul(a, b)[0, 0])
@@ -337,8 +332,7 @@ def variables_changed(model):
 
 
 def as_the_optimizer_sees(variable):
-    """`variable` as an optimizer's own step passes it to `_use_weight_decay`
-    (whose name patterns judge its name)."""
+    """`variable` as an optimizer's step passes it to `_use_weight_decay` (name patterns)."""
     return variable
 
 
@@ -351,6 +345,12 @@ def rounded(x, dtype):
     """`x` (float32) rounded to half `dtype`, in float32 (compensated updates). XLA's GPU
     compiler drops a pair of converts under excess precision: JAX and TF round otherwise."""
     return ops.cast(ops.cast(x, dtype), "float32")
+
+
+def computed_once(x):
+    """`x`, computed once and read back by each consumer (JAX: XLA would compute
+    it again inside each, and copy the buffers they write in place first)."""
+    return x
 
 
 # -- the compiled program ---------------------------------------------------------

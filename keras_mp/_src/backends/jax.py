@@ -280,3 +280,12 @@ def rounded(x, dtype):
     if keras.backend.standardize_dtype(dtype) != "bfloat16":
         return common.rounded(x, dtype)
     return jax.lax.reduce_precision(x, exponent_bits=8, mantissa_bits=7)
+
+
+def computed_once(x):
+    """`lax.optimization_barrier`: the master weights' select, written in
+    place over the old copy, is what the half weight is cast from (fused
+    again from the old copy, XLA copied each master copy and weight first)."""
+    import jax
+
+    return jax.lax.optimization_barrier(x)

@@ -161,8 +161,7 @@ class Float32Grads:
         if not self.taken:
             return grads
         return [
-            self.taken.pop(id(v.value), None) if g is None else g
-            for g, v in zip(grads, variables)
+            self.taken.pop(id(v.value), None) if g is None else g for g, v in zip(grads, variables)
         ]
 
 

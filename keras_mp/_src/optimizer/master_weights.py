@@ -202,10 +202,16 @@ class MasterWeights:
         new_own = list(own_values)
         for i in self.positions:
             copy = new_targets[i]
-            if kept is not None:
+            if kept is None:
+                new_trainable[i] = ops.cast(copy, values[i].dtype)
+            else:
+                # The weight is the kept copy's rounding, or its old value:
+                # cast from the copy as written (`computed_once`), it reads
+                # no old copy after the new one is written over it.
                 copy = ops.where(kept, copy, own_values[self.own_indices[i]])
+                rounding = ops.cast(backends.current.computed_once(copy), values[i].dtype)
+                new_trainable[i] = ops.where(kept, rounding, values[i])
             new_own[self.own_indices[i]] = copy
-            new_trainable[i] = ops.cast(new_targets[i], values[i].dtype)
         return new_trainable, new_own, list(new_inner)
 
 
