@@ -133,7 +133,10 @@ class Float32Grads:
 
     Taken only while `collecting` (Keras's own train step, whose one reader
     of `.grad` is the list it hands to the optimizer, where `filled` puts
-    them back); elsewhere `.grad` is as PyTorch leaves it.
+    them back); elsewhere `.grad` is as PyTorch leaves it. After `fit`'s
+    step a half variable's `.grad` is empty (a callback reading it, or a
+    post-accumulate-grad hook of the user's added after the optimizer was
+    built, sees None): a model's own `train_step` keeps it.
 
     Args:
         variables: the half variables with float32 master copies.
@@ -143,8 +146,9 @@ class Float32Grads:
         self.taken = {}
         self.on = False
         take = functools.partial(_take, weakref.ref(self))
-        for variable in variables:
-            variable.value.register_post_accumulate_grad_hook(take)
+        hooks = [v.value.register_post_accumulate_grad_hook(take) for v in variables]
+        # Gone with this object (a model compiled again, an optimizer built again).
+        weakref.finalize(self, _remove_all, hooks)
 
     @contextlib.contextmanager
     def collecting(self):
@@ -163,6 +167,11 @@ class Float32Grads:
         return [
             self.taken.pop(id(v.value), None) if g is None else g for g, v in zip(grads, variables)
         ]
+
+
+def _remove_all(hooks):
+    for hook in hooks:
+        hook.remove()
 
 
 def _take(owner, parameter):

@@ -118,13 +118,15 @@ def memory_of_one_step(model, data):
     # Python's cyclic collector would free some tensors (a cycle through
     # the autograd graph) at a moment that depends on the process's history:
     # not during the step, the same count in any process.
+    collecting = gc.isenabled()
     gc.collect()
     gc.disable()
     try:
         with Peak(), torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
             model.train_on_batch(*data)
     finally:
-        gc.enable()
+        if collecting:
+            gc.enable()
         for variable, value in zip(variables, before):
             variable.assign(value)
     return live["peak"], saved
