@@ -283,9 +283,11 @@ def rounded(x, dtype):
 
 
 def computed_once(x):
-    """`lax.optimization_barrier`: the master weights' select, written in
-    place over the old copy, is what the half weight is cast from (fused
-    again from the old copy, XLA copied each master copy and weight first)."""
+    """On a CPU, `lax.optimization_barrier`: the master weights' select,
+    written in place over the old copy, is what the half weight is cast
+    from (fused again from the old copy, XLA's CPU compiler copied each
+    master copy and weight first). XLA's GPU compiler copies neither (an
+    H100, 2026-11-27) and fuses the cast into the update: no barrier there."""
     import jax
 
-    return jax.lax.optimization_barrier(x)
+    return jax.lax.optimization_barrier(x) if jax.default_backend() == "cpu" else x
