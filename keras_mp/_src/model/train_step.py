@@ -208,6 +208,10 @@ def _bad_metrics(skipped, metrics):
 
 
 def _stateful_train_step(original, model, optimizers, guard):
+    # Decided once: whether the step is Keras's own (`_taking_float32_grads`).
+    keras_own = backends.current.Float32Grads is not None
+    keras_own = keras_own and keras_internals.is_keras_train_step(original)
+
     def train_step(data):
         if guard:
             # The model's state, and the metrics' (see `_bad_metrics`).
@@ -217,7 +221,7 @@ def _stateful_train_step(original, model, optimizers, guard):
             skipped_before = [ops.copy(o.skipped_steps.value) for _, o in optimizers]
         with _StepFlags(optimizers) as flags, assigned_half.Noting(model, optimizers):
             try:
-                with _taking_float32_grads(model, original, optimizers):
+                with _taking_float32_grads(model, optimizers, keras_own):
                     logs = original(data)
             except Exception as error:
                 if not backends.current.EAGER_STEP or not fallback.may_come_from_half(error):
@@ -227,7 +231,7 @@ def _stateful_train_step(original, model, optimizers, guard):
                 if guard:  # the failed try updated the metrics already
                     for variable, old in state + metrics:
                         variable.assign(old)
-                with _taking_float32_grads(model, original, optimizers):
+                with _taking_float32_grads(model, optimizers, keras_own):
                     logs = original(data)
         if guard:
             # Any optimizer's skip: a NaN batch skips them all.
@@ -256,19 +260,21 @@ def _stateful_train_step(original, model, optimizers, guard):
     return train_step
 
 
-def _taking_float32_grads(model, original, optimizers):
-    """PyTorch at O3: inside Keras's own train step, each optimizer with
-    master weights takes the half gradients in float32 as the backward pass
-    makes them (`backends.torch.Float32Grads`), so that the step holds
-    float32 gradients, as under Keras's policy, not half ones beside them.
-    Not in a model's own `train_step` (it may read `.grad`), nor under
-    `jit_compile` (torch.compile traces the step)."""
+def _taking_float32_grads(model, optimizers, keras_own):
+    """PyTorch at O3: inside Keras's own train step (`keras_own`), each
+    optimizer with master weights takes the half gradients in float32 as the
+    backward pass makes them (`backends.torch.Float32Grads`), so that the
+    step holds float32 gradients, as under Keras's policy, not half ones
+    beside them. Not in a model's own `train_step` (it may read `.grad`),
+    nor under `jit_compile` (torch.compile traces the step)."""
+    if not keras_own or model.jit_compile:
+        return contextlib.nullcontext()
     takers = [
         o._masters.float32_grads
         for _, o in optimizers
         if o._masters is not None and o._masters.float32_grads is not None
     ]
-    if not takers or model.jit_compile or not keras_internals.is_keras_train_step(original):
+    if not takers:
         return contextlib.nullcontext()
     stack = contextlib.ExitStack()
     for taker in takers:
