@@ -320,6 +320,31 @@ def test_state_is_saved_with_the_model(tmp_path):
     assert int(numpy(loaded.optimizer.skipped_steps)) == 1
 
 
+@pytest.mark.parametrize("level", ["O2", "O3"])
+def test_building_a_built_optimizer_again_changes_nothing(tmp_path, level):
+    """As Keras's optimizers: `build` on a built optimizer (a loaded model's,
+    built by its load) keeps its variables; at O3 its master copies were
+    made again, unknown to the inner optimizer, and the next `fit` failed."""
+    model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(3), keras.layers.Dense(1)])
+    model.compile(
+        optimizer=keras_mp.LossScaleOptimizer(keras.optimizers.Adam()), loss="mse", amp_level=level
+    )
+    x, y = np.linspace(-1, 1, 32, dtype="float32").reshape(8, 4), np.ones((8, 1), "float32")
+    model.fit(x, y, epochs=1, verbose=0)
+    path = str(tmp_path / "model.keras")
+    model.save(path)
+    rebuilt, loaded = keras.models.load_model(path), keras.models.load_model(path)
+    before = list(rebuilt.optimizer.variables)
+    rebuilt.optimizer.build(rebuilt.trainable_variables)
+    assert [id(v) for v in rebuilt.optimizer.variables] == [id(v) for v in before]
+    for m in (rebuilt, loaded):
+        m.fit(x, y, epochs=2, verbose=0, shuffle=False)
+    for a, b in zip(
+        snapshot(rebuilt.optimizer, rebuilt.weights), snapshot(loaded.optimizer, loaded.weights)
+    ):
+        np.testing.assert_array_equal(a, b)
+
+
 # -- custom training loops -----------------------------------------------------
 
 

@@ -238,6 +238,8 @@ class LossScaleOptimizer(
 
     @keras_internals.no_automatic_dependency_tracking
     def build(self, var_list):
+        if self.built:  # as Keras's optimizers: built once, for one set of variables
+            return
         var_list = list(var_list)
         skip = self._skip_indices(var_list)
         targets = var_list
@@ -275,11 +277,8 @@ class LossScaleOptimizer(
         return self._variables[self._state_start : self._state_start + 3]
 
     def _skip_indices(self, trainable_variables):
-        return {
-            i
-            for i, v in enumerate(trainable_variables)
-            if self._overwrite_variable_with_gradient(v)
-        }
+        overwritten = self._overwrite_variable_with_gradient
+        return {i for i, v in enumerate(trainable_variables) if overwritten(v)}
 
     # -- the step ---------------------------------------------------------------
 
