@@ -89,6 +89,28 @@ def test_all_finite_is_exact(grads, expected, dtype, mode):
     assert bool(numpy(check(tensors))) is expected
 
 
+@pytest.mark.parametrize("size", [4095, 4096, 5000, 1 << 20])
+@pytest.mark.parametrize("dtype", ["float32", "float16", "bfloat16"])
+@pytest.mark.parametrize("mode", ["eager", "compiled"])
+def test_all_finite_finds_one_nan_in_a_large_gradient(size, dtype, mode):
+    """A layer's gradient has thousands of values: one nan among them, first,
+    in the middle or last, is found (XLA's CPU max and min of 4096 or more
+    float32 values drop a nan, openxla/xla#21461)."""
+    dtype = ml_dtypes.bfloat16 if dtype == "bfloat16" else dtype
+    check = _compiled(
+        backends.current.all_finite, COMPILE_MODES[-1] if mode == "compiled" else mode
+    )
+    for where in (0, size // 2, size - 1):
+        values = np.ones(size, np.float32)
+        values[where] = np.nan
+        grads = [
+            tensor(np.ones((3, 4)), dtype),
+            tensor(values.reshape(-1, 8 if size % 8 == 0 else 1), dtype),
+        ]
+        assert not bool(numpy(check(grads))), (size, where)
+    assert bool(numpy(check([tensor(np.ones(size), dtype)])))
+
+
 def test_all_finite_mixed_dtypes():
     grads = [tensor([1.0], "float16"), tensor([np.inf], "float32")]
     assert not bool(numpy(backends.current.all_finite(grads)))

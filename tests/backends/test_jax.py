@@ -50,7 +50,7 @@ def test_jax_skips_by_selects_on_every_platform(monkeypatch):
 def test_jax_select_form_has_no_conditional(jax_skip_form, monkeypatch, platform):
     """A GPU waits for the device at each `cond`, and a CPU gives its results
     buffers of their own: the select form has none on either (a CPU's
-    finiteness check included, by the gradients' extremes)."""
+    finiteness check included)."""
     import jax
 
     monkeypatch.setattr(jax, "default_backend", lambda: platform)
