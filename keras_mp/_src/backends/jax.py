@@ -53,7 +53,6 @@ def all_finite(grads):
     import jax.numpy as jnp
 
     grads = [common.dense_values(g) for g in grads if g is not None]
-    grads = [g for g in grads if g.size]  # an empty gradient holds no inf
     if not grads:
         return jnp.asarray(True)
     return common.exact_all_finite(grads)

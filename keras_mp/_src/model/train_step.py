@@ -38,6 +38,7 @@ from keras_mp._src.model.callbacks import EpochTelemetry
 from keras_mp._src.model.callbacks import ProgbarLogger
 from keras_mp._src.model.callbacks import telemetry_keys
 from keras_mp._src.model.wrapping import loss_scale_optimizers
+from keras_mp._src.optimizer.master_weights import float32_grads_of
 from keras_mp._src.precision import fallback
 
 _ORIGINAL = "_keras_mp_original_train_step"
@@ -269,11 +270,7 @@ def _taking_float32_grads(model, optimizers, keras_own):
     nor under `jit_compile` (torch.compile traces the step)."""
     if not keras_own or model.jit_compile:
         return contextlib.nullcontext()
-    takers = [
-        o._masters.float32_grads
-        for _, o in optimizers
-        if o._masters is not None and o._masters.float32_grads is not None
-    ]
+    takers = [t for t in (float32_grads_of(o) for _, o in optimizers) if t is not None]
     if not takers:
         return contextlib.nullcontext()
     stack = contextlib.ExitStack()

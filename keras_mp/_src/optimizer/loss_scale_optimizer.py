@@ -27,6 +27,7 @@ from keras_mp._src.optimizer.loss_scale import config_from_arguments
 from keras_mp._src.optimizer.master_weights import COMPENSATED
 from keras_mp._src.optimizer.master_weights import MasterWeights
 from keras_mp._src.optimizer.master_weights import check_master_weights
+from keras_mp._src.optimizer.master_weights import float32_grads_of
 
 _KerasLossScaleOptimizer = keras.optimizers.LossScaleOptimizer
 
@@ -304,8 +305,8 @@ class LossScaleOptimizer(
         if trainable_variables is None:
             trainable_variables = self._trainable_variables
         trainable_variables = list(trainable_variables)
-        if self._masters is not None and self._masters.float32_grads is not None:
-            grads = self._masters.float32_grads.filled(grads, trainable_variables)
+        if (taker := float32_grads_of(self)) is not None:
+            grads = taker.filled(grads, trainable_variables)
         unscaled_by_caller = self._grads_unscaled_by_caller
         self._grads_unscaled_by_caller = False
         if not unscaled_by_caller:

@@ -33,6 +33,14 @@ from keras_mp._src.precision.levels import HALF_DTYPES
 COMPENSATED = "compensated"
 
 
+def float32_grads_of(optimizer):
+    """A `LossScaleOptimizer`'s taker of float32 gradients
+    (`backends.torch.Float32Grads`), or None: no master copies, or a
+    backend that keeps its half gradients."""
+    masters = optimizer._masters
+    return None if masters is None else masters.float32_grads
+
+
 def check_master_weights(master_weights, allowed_none=False):
     """`True`, `False` or `"compensated"` (or `None`, where it means the default)."""
     if master_weights is None and allowed_none:
