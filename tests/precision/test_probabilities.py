@@ -304,3 +304,53 @@ def _gradients(model, x):
     return [
         keras.ops.convert_to_numpy(keras.ops.cast(g, "float32")).astype("float64") for g in grads
     ]
+
+
+def _input_gradient(model, x):
+    """The gradient of `sum(model(x, training=True))` with respect to `x`,
+    as a float64 NumPy array."""
+    backend = keras.backend.backend()
+    if backend == "tensorflow":
+        import tensorflow as tf
+
+        x = tf.constant(x)
+        with tf.GradientTape() as tape:
+            tape.watch(x)
+            loss = tf.reduce_sum(tf.cast(model(x, training=True), "float32"))
+        grad = tape.gradient(loss, x)
+    elif backend == "jax":
+        import jax
+
+        grad = jax.grad(lambda x: keras.ops.sum(model(x, training=True)))(x)
+    else:
+        import torch
+
+        x = torch.tensor(x, requires_grad=True)
+        keras.ops.sum(model(x, training=True)).backward()
+        grad = x.grad
+    return keras.ops.convert_to_numpy(grad).astype("float64")
+
+
+def test_a_kept_softmax_passes_tiny_float16_gradients_on_exactly():
+    """The backward pass of a softmax kept in float16 reads the upstream
+    gradient as it is, float16's subnormals too (2**-20 here: a rounding of
+    it to float16's own exponent would flush it to zero): the float32
+    formula on the kept half probabilities, to float32's rounding."""
+    inputs = keras.Input((4,))
+    probabilities = L.Softmax(name="softmax")(inputs)
+    tiny = np.array([[1.0], [-3.0], [2.0], [5.0]]) * 2.0**-20
+    hidden = L.Dense(1, use_bias=False, kernel_initializer=keras.initializers.Constant(tiny))
+    out = L.Dense(1, use_bias=False, kernel_initializer="ones", name="out")
+    model = keras.Model(inputs, out(hidden(probabilities)))
+    keras_mp.apply_amp(model, "O2", "float16")
+    rules = {r["layer"].split("/")[-1]: r["rule"] for r in keras_mp.precision_summary(model).rows}
+    assert "kept in float16 for the backward pass" in rules["softmax"], rules
+    x = np.array([[0.5, -1.0, 2.0, 0.25], [3.0, 0.0, -2.0, 1.0]], "float32")
+
+    got = _input_gradient(model, x)
+    z = np.exp(x - x.max(-1, keepdims=True))
+    kept = (z / z.sum(-1, keepdims=True)).astype("float16").astype("float64")
+    w = tiny.reshape(-1)
+    want = kept * (w - (kept * w).sum(-1, keepdims=True))
+    assert np.abs(want).min() > 0
+    np.testing.assert_allclose(got, want, rtol=1e-3, atol=2.0**-40)

@@ -235,6 +235,56 @@ def test_a_train_step_memory_is_no_more_than_keras_mixed_policy(family):
             assert memory.saved_bytes <= limit * keras_memory.saved_bytes + SLACK, cell
 
 
+def _attention_with_dropout(policy="float32", functional_softmax=False):
+    """Two attention blocks over 128 tokens, dropout on their probabilities
+    (KerasHub's and keras-io's transformer blocks): the probabilities are
+    most of what the step keeps. `functional_softmax`: the second block's
+    softmax is a layer of the model itself (a hand-off to its half matmul),
+    not `MultiHeadAttention`'s own."""
+    keras.config.set_dtype_policy(policy)
+    keras.utils.set_random_seed(0)
+    try:
+        x = inputs = keras.Input((128, 16))
+        x = keras.layers.MultiHeadAttention(num_heads=2, key_dim=8, dropout=0.1)(x, x)
+        if functional_softmax:
+            scores = keras.layers.Dot(axes=(2, 2))([x, x])
+            probabilities = keras.layers.Dropout(0.1)(keras.layers.Softmax()(scores))
+            x = keras.layers.Dot(axes=(2, 1))([probabilities, x])
+        else:
+            x = keras.layers.MultiHeadAttention(num_heads=2, key_dim=8, dropout=0.1)(x, x)
+        outputs = keras.layers.Dense(2)(keras.layers.GlobalAveragePooling1D()(x))
+        model = keras.Model(inputs, outputs)
+    finally:
+        keras.config.set_dtype_policy("float32")
+    rng = np.random.default_rng(0)
+    x = rng.normal(size=(2, 128, 16)).astype("float32")
+    loss = keras.losses.SparseCategoricalCrossentropy(from_logits=True)
+    return model, x, np.array([0, 1]), loss
+
+
+@pytest.mark.skipif(keras.backend.backend() == "tensorflow", reason="a traced graph holds no step")
+@pytest.mark.parametrize("functional_softmax", [False, True], ids=["attention", "functional"])
+def test_probabilities_kept_in_half_hold_no_more_than_keras_mixed_policy(functional_softmax):
+    """Dropout after a float32 softmax kept in half (issue 65): on JAX's CPU
+    the kept half output was cast to float32 in the forward pass and held
+    so (1.25x Keras's mixed_bfloat16), and the dropout's scale, fused into
+    the backward pass, held one float32 tensor of the probabilities' shape
+    across the step (1.09x); a softmax handing off half in a functional
+    model kept its float32 output."""
+    keras_model, x, y, loss = _attention_with_dropout("mixed_bfloat16", functional_softmax)
+    keras_model.compile(optimizer="adam", loss=loss)
+    keras_memory = compiled_census.memory(keras_model, x, y)
+    model, x, y, loss = _attention_with_dropout(functional_softmax=functional_softmax)
+    model.compile(optimizer="adam", loss=loss, amp_level="O2", amp_dtype="bfloat16")
+    rules = " ".join(r["rule"] for r in keras_mp.precision_summary(model).rows)
+    assert rules.count("kept in bfloat16 for the backward pass") == 2, rules
+    memory = compiled_census.memory(model, x, y)
+    cell = (str(memory), str(keras_memory))
+    assert memory.held <= LIMIT * keras_memory.held + SLACK, cell
+    if memory.saved is not None:
+        assert memory.saved_bytes <= LIMIT * keras_memory.saved_bytes + SLACK, cell
+
+
 def test_a_memory_census_counts_what_the_step_keeps():
     """A Dense model, by hand: in bfloat16 the step keeps its activations in
     half, O0 in float32; each backend's census sees the difference (a batch

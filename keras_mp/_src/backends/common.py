@@ -373,12 +373,16 @@ def train_step_memory(model, data):
 # -- probabilities kept in half ------------------------------------------------
 
 
-def saved_in_half(forward, backward, x, dtype):
+def saved_in_half(forward, backward, x, dtype, read_after=None):
     """`forward(x)` (float32 arithmetic) returned in `dtype`, whose gradient
     is `backward(y, upstream)` on the returned half `y` read in float32: the
     backward pass keeps `y` in half, not `forward`'s float32 result (as
     Megatron's and Apex's fused softmax do). `keras.ops.custom_gradient`
-    keeps what its gradient function refers to: `y` alone."""
+    keeps what its gradient function refers to: `y` alone.
+
+    `read_after(y, upstream)`: `y` as a value that exists only once
+    `upstream` does, where a compiler would otherwise cast `y` to float32 as
+    soon as the forward pass makes it and keep the float32 copy instead."""
 
     @ops.custom_gradient
     def kept_in_half(x):
@@ -387,7 +391,10 @@ def saved_in_half(forward, backward, x, dtype):
         def grad(*args, upstream=None):
             if upstream is None:
                 (upstream,) = args
-            dx = backward(ops.cast(y, "float32"), ops.cast(upstream, "float32"))
+            kept = y
+            if read_after is not None:
+                kept, upstream = read_after(y, upstream)
+            dx = backward(ops.cast(kept, "float32"), ops.cast(upstream, "float32"))
             return ops.cast(dx, x.dtype)
 
         return y, grad

@@ -292,13 +292,31 @@ def saved_in_half(forward, backward, x, dtype):
             @staticmethod
             def backward(ctx, upstream):
                 (y,) = ctx.saved_tensors
-                dx = ctx.backward(y.float(), upstream.float())
+                axis = getattr(ctx.backward, "axis", None)
+                if axis is None:
+                    dx = ctx.backward(y.float(), upstream.float())
+                else:
+                    dx = _softmax_gradient(y, upstream, axis)
                 return dx.to(ctx.input_dtype), None, None, None
 
     return _KeptInHalf.apply(x, forward, backward, getattr(torch, dtype))
 
 
 _KeptInHalf = None
+
+
+def _softmax_gradient(y, upstream, axis):
+    """`probabilities`' softmax gradient `y * (g - sum(g * y))` in float32
+    from the half `y` and `upstream`, the same roundings, with two float32
+    tensors of their shape alive at once instead of four (a step's peak of
+    live tensors when the probabilities are most of it)."""
+    import torch
+
+    y = y.float()
+    work = upstream * y  # float32: half times float32
+    total = work.sum(dim=axis, keepdim=True)
+    torch.sub(upstream, total, out=work)
+    return work.mul_(y)
 
 
 def recomputed_from_half(function, inputs, weights):

@@ -73,10 +73,17 @@ def set_boundary_casts(layer, entry_dtype=None, output_dtype=None, *_):
     _install(layer)
     object.__setattr__(layer, _ENTRY_DTYPE_ATTRIBUTE, entry_dtype)
     object.__setattr__(layer, _OUTPUT_DTYPE_ATTRIBUTE, output_dtype)
+    _set_half_kept(layer, output_dtype)
+
+
+def _set_half_kept(layer, returned):
+    """Whether `layer`, a float32 probability returning the half dtype
+    `returned` (a cast of its own, or a hand-off to its graph's half
+    consumers), keeps the half output for its backward pass."""
     object.__setattr__(
         layer,
         _HALF_KEPT_ATTRIBUTE,
-        output_dtype in _HALF
+        returned in _HALF
         and keras.backend.standardize_dtype(layer.compute_dtype) == "float32"
         and probabilities.keeps_half(layer),
     )
@@ -300,6 +307,7 @@ def set_boundaries(model, outputs=None, entry_dtype=None):
             else:
                 _install(layer)
                 handoff.record(layer, parent, *handed)
+                _set_half_kept(layer, handed[0])
                 returns.append((layer, handed[0], parent))
     return returns
 
