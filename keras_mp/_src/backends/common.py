@@ -374,26 +374,19 @@ def train_step_memory(model, data):
 
 
 def saved_in_half(forward, backward, x, dtype, read_after=None):
-    """`forward(x)` (float32 arithmetic) returned in `dtype`, whose gradient
-    is `backward(y, upstream)` on the returned half `y` read in float32: the
-    backward pass keeps `y` in half, not `forward`'s float32 result (as
-    Megatron's and Apex's fused softmax do). `keras.ops.custom_gradient`
-    keeps what its gradient function refers to: `y` alone.
-
-    `read_after(y, upstream)`: `y` as a value that exists only once
-    `upstream` does, where a compiler would otherwise cast `y` to float32 as
-    soon as the forward pass makes it and keep the float32 copy instead."""
+    """`forward(x)` (float32 arithmetic) returned in `dtype`; its gradient is
+    `backward(y, upstream)` on the half `y` read in float32, the one value kept
+    (as Megatron's and Apex's fused softmax; `custom_gradient` keeps what its
+    `grad` refers to). `read_after(y, upstream)`: both as a compiler should
+    read them (`backends.jax`)."""
 
     @ops.custom_gradient
     def kept_in_half(x):
         y = ops.cast(forward(x), dtype)
 
         def grad(*args, upstream=None):
-            if upstream is None:
-                (upstream,) = args
-            kept = y
-            if read_after is not None:
-                kept, upstream = read_after(y, upstream)
+            upstream = args[0] if upstream is None else upstream
+            kept, upstream = (y, upstream) if read_after is None else read_after(y, upstream)
             dx = backward(ops.cast(kept, "float32"), ops.cast(upstream, "float32"))
             return ops.cast(dx, x.dtype)
 
