@@ -85,6 +85,38 @@ def test_recomputed_from_half_keeps_the_half_inputs_and_the_gradients_to_the_bit
         assert torch.equal(backends.current.recomputed_from_half(norm, [half], [weight]), out)
 
 
+@pytest.mark.skipif(BACKEND != "torch", reason="PyTorch's autograd.Function")
+def test_a_kept_softmax_differentiates_twice_with_the_same_first_gradient():
+    """A softmax kept in half (a hand-off to its half consumer at O2): its
+    backward pass is in place in a plain step, out of place where autograd
+    records it for a second derivative (a gradient penalty, WGAN-GP's): the
+    same first gradient to the bit either way, and the penalty's gradient
+    reaches the weights before it."""
+    import torch
+
+    keras.utils.set_random_seed(0)
+    inputs = keras.Input((4,))
+    x = keras.layers.Dense(4, name="pre")(inputs)
+    x = keras.layers.Dense(2)(keras.layers.Softmax(name="softmax")(x))
+    model = keras.Model(inputs, x)
+    keras_mp.apply_amp(model, "O2", "bfloat16")
+    rules = {r["layer"].split("/")[-1]: r["rule"] for r in keras_mp.precision_summary(model).rows}
+    assert "kept in bfloat16" in rules["softmax"], rules
+    x = torch.tensor(np.random.default_rng(0).normal(size=(2, 4)).astype("float32"))
+
+    def input_gradient(create_graph):
+        inputs = x.clone().requires_grad_(True)
+        out = model(inputs, training=True)
+        return torch.autograd.grad(out.sum(), inputs, create_graph=create_graph)[0]
+
+    plain = input_gradient(False)
+    recorded = input_gradient(True)
+    assert torch.equal(plain, recorded.detach())
+    kernel = model.get_layer("pre").kernel.value
+    (penalty,) = torch.autograd.grad(recorded.square().sum(), kernel)
+    assert torch.isfinite(penalty).all() and penalty.abs().sum() > 0
+
+
 class _OwnStep(keras.Sequential):
     """A model with a `train_step` of its own (Keras's, through `super()`)."""
 

@@ -354,3 +354,31 @@ def test_a_kept_softmax_passes_tiny_float16_gradients_on_exactly():
     want = kept * (w - (kept * w).sum(-1, keepdims=True))
     assert np.abs(want).min() > 0
     np.testing.assert_allclose(got, want, rtol=1e-3, atol=2.0**-40)
+
+
+class _TemperatureSoftmax(L.Softmax):
+    """A user's softmax with a temperature: `softmax(x / 4)`."""
+
+    def call(self, inputs, mask=None):
+        return super().call(inputs / 4.0, mask=mask)
+
+
+def test_a_softmax_subclass_keeps_its_own_gradient():
+    """A subclass of `Softmax` with a `call` of its own is not Keras's
+    softmax: its backward pass is autodiff's, not `y * (g - sum(g * y))`
+    on its output (which drops the temperature's 1/4), and the summary says
+    nothing is kept. Its gradient is the float32 model's within bfloat16's
+    roundings."""
+    def build():
+        keras.utils.set_random_seed(0)
+        inputs = keras.Input((4,))
+        x = _TemperatureSoftmax(name="softmax")(L.Dense(4, name="pre")(inputs))
+        return keras.Model(inputs, L.Dense(1, name="out")(L.Dense(3)(x)))
+
+    reference, model = build(), build()
+    keras_mp.apply_amp(model, "O2", "bfloat16")
+    rules = {r["layer"].split("/")[-1]: r["rule"] for r in keras_mp.precision_summary(model).rows}
+    assert "kept" not in rules["softmax"], rules
+    x = np.random.default_rng(0).normal(size=(2, 4)).astype("float32")
+    got, want = _input_gradient(model, x), _input_gradient(reference, x)
+    assert np.abs(got - want).max() <= 2**-6 * np.abs(want).max(), (got, want)

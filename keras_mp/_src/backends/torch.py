@@ -293,7 +293,9 @@ def saved_in_half(forward, backward, x, dtype):
             def backward(ctx, upstream):
                 (y,) = ctx.saved_tensors
                 axis = getattr(ctx.backward, "axis", None)
-                if axis is None:
+                if axis is None or torch.is_grad_enabled():
+                    # Recorded for a second derivative (`create_graph`, a
+                    # gradient penalty): out-of-place, differentiable.
                     dx = ctx.backward(y.float(), upstream.float())
                 else:
                     dx = _softmax_gradient(y, upstream, axis)

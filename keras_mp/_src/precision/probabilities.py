@@ -90,10 +90,12 @@ def _gradient(layer):
     float32 from its output `y`; None for any other layer (a log_softmax's
     half output would lose its small probabilities' digits)."""
     ops = keras.ops
-    if isinstance(layer, keras.layers.Softmax):
+    # The layer's own `call`, not a subclass's (a temperature's `x / T`
+    # first: another gradient).
+    if type(layer).call is keras.layers.Softmax.call:
         axes = layer.axis if isinstance(layer.axis, (tuple, list)) else (layer.axis,)
         axis = tuple(axes) if len(axes) > 1 else axes[0]
-    elif isinstance(layer, keras.layers.Activation):
+    elif type(layer).call is keras.layers.Activation.call:
         # Keras's own softmax only (a function of the user's named so may
         # take another axis). Not a sigmoid: near 1 its half output rounds
         # to 1 and `y * (1 - y)` to 0 (bfloat16 at 6.5 and beyond).
