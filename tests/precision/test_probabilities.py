@@ -369,6 +369,7 @@ def test_a_softmax_subclass_keeps_its_own_gradient():
     on its output (which drops the temperature's 1/4), and the summary says
     nothing is kept. Its gradient is the float32 model's within bfloat16's
     roundings."""
+
     def build():
         keras.utils.set_random_seed(0)
         inputs = keras.Input((4,))
