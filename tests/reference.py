@@ -9,6 +9,8 @@ comparisons are exact.
 import numpy as np
 
 f32 = np.float32
+# The contract's "no floor" still keeps the scale a normal float32 (never 0).
+SMALLEST_NORMAL = f32(np.finfo(np.float32).tiny)
 
 
 class ReferenceLossScale:
@@ -19,7 +21,7 @@ class ReferenceLossScale:
         dynamic_growth_steps=2000,
         growth_factor=2.0,
         backoff_factor=0.5,
-        min_scale=1.0,
+        min_scale=None,
         max_scale=2.0**24,
         skip_on_overflow=True,
     ):
@@ -28,7 +30,7 @@ class ReferenceLossScale:
         self.dynamic_growth_steps = dynamic_growth_steps
         self.growth_factor = f32(growth_factor)
         self.backoff_factor = f32(backoff_factor)
-        self.min_scale = f32(min_scale)
+        self.floor = SMALLEST_NORMAL if min_scale is None else f32(min_scale)
         self.max_scale = f32(max_scale)
         self.skip_on_overflow = skip_on_overflow
         self.good_steps = 0
@@ -46,7 +48,7 @@ class ReferenceLossScale:
             self.skipped_steps += 1
             self.good_steps = 0
             if self.dynamic:
-                self.scale = max(f32(self.scale * self.backoff_factor), self.min_scale)
+                self.scale = max(f32(self.scale * self.backoff_factor), self.floor)
             return False
         self.iterations += 1
         self.good_steps += 1

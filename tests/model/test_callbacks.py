@@ -9,6 +9,7 @@ against the optimizer's own variables.
 import glob
 import os
 import re
+import warnings
 
 import keras
 import numpy as np
@@ -230,6 +231,78 @@ def test_plain_keras_optimizer_has_no_telemetry():
 # -- OverflowGuard ------------------------------------------------------------
 
 
+# -- a run whose steps are mostly skipped ---------------------------------------
+
+
+def _prices():
+    """A regression on unnormalised prices (5e4 to 3e5): its float16
+    gradients overflow at a loss scale of 1 and need one below it."""
+    rng = np.random.default_rng(0)
+    x = rng.uniform(0, 1, (256, 4)).astype("float32")
+    y = 5e4 + 2.5e5 * x @ np.array([[0.4], [0.3], [0.2], [0.1]], "float32")
+    return x, y
+
+
+def _fit_prices(epochs, optimizer_arguments=None, amp_level="O2"):
+    """`(mse, skipped steps, the keras_mp warnings of mostly skipped steps
+    seen)`, each at each epoch's end, of a Dense(8) -> Dense(1) on `_prices`
+    (32 steps an epoch)."""
+    keras.utils.set_random_seed(0)
+    model = keras.Sequential(
+        [keras.Input((4,)), keras.layers.Dense(8, activation="relu"), keras.layers.Dense(1)]
+    )
+    optimizer = keras.optimizers.Adam(10.0)
+    if optimizer_arguments is not None:
+        optimizer = keras_mp.LossScaleOptimizer(optimizer, **optimizer_arguments)
+    model.compile(
+        optimizer=optimizer, loss="mse", **({"amp_level": amp_level} if amp_level else {})
+    )
+    seen = []
+
+    def on_epoch_end(epoch, logs):
+        seen.append(
+            [str(w.message) for w in caught if "training steps were skipped" in str(w.message)]
+        )
+
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        history = model.fit(
+            *_prices(),
+            batch_size=8,
+            epochs=epochs,
+            verbose=0,
+            callbacks=[keras.callbacks.LambdaCallback(on_epoch_end=on_epoch_end)],
+        )
+    return history.history["loss"], history.history.get("skipped_steps"), seen
+
+
+def test_a_regression_on_prices_trains_in_float16():
+    """tf.keras 2's floor of 1 (`min_scale=1.0`, the default before) kept the
+    scale where these gradients overflow: every step skipped, MSE 3.3e10.
+    Without a floor the scale falls to 2**-9 in 24 steps and the run trains
+    as float32 does, without a word."""
+    float32_mse = _fit_prices(5, amp_level=None)[0][-1]
+    mse, skipped, seen = _fit_prices(5)
+    assert mse[-1] < 4 * float32_mse, (mse[-1], float32_mse)
+    assert mse[-1] < 1e-3 * mse[0]
+    # The scale's fall from 2**15 to 2**-9 or 2**-10 (of 160 steps).
+    assert skipped[-1] <= 26, skipped
+    assert seen[-1] == []  # a healthy run: no warning
+
+
+def test_a_mostly_skipped_run_says_so_while_it_runs():
+    mse, skipped, seen = _fit_prices(3, optimizer_arguments={"min_scale": 1.0})
+    assert skipped[-1] == 96 and mse[-1] > 1e10  # every step skipped
+    # At the second epoch's end (the first gives the window's start), once.
+    assert seen[0] == [] and len(seen[1]) == 1 and len(seen[2]) == 1
+    (message,) = seen[1]
+    assert "32 of the last 32 training steps were skipped" in message
+    # The advice fits the cause: the floor, and the targets' scale.
+    assert "at its floor, min_scale=1" in message and "`min_scale=None`" in message
+    assert "normalize the targets" in message
+    assert "does not help" in message  # not a lower learning rate
+
+
 def test_guard_stops_a_diverged_model():
     # Weights of 300 in float16: the hidden activations pass float16's 65504,
     # every step overflows, whatever the scale.
@@ -266,6 +339,9 @@ def test_guard_stops_when_the_scale_is_pinned_at_min_scale(capsys):
     # Scales 4 -> 2 -> 1 (steps 0 and 1), step 2 overflows at 1: pinned.
     assert guard.stopped_step == 2
     assert "pinned at min_scale=1" in guard.message
+    # Advice that fits a scale pinned at its floor: a lower floor, not a
+    # lower learning rate.
+    assert "`min_scale=None`" in guard.message and "does not help" in guard.message
     assert "OverflowGuard stopped training" in capsys.readouterr().out
 
 

@@ -68,6 +68,21 @@ def test_update_dynamic(state, finite, expected, as_tensor):
     assert _run_update(state, finite, config, as_tensor) == expected
 
 
+@pytest.mark.parametrize(
+    "state, expected",
+    [
+        ((1.0, 1, 0), (0.5, 0, 1)),  # below tf.keras 2's floor of 1
+        ((2.0**-125, 0, 0), (2.0**-126, 0, 1)),
+        ((2.0**-126, 0, 3), (2.0**-126, 0, 4)),  # the smallest normal float32
+    ],
+    ids=["below_one", "to_smallest_normal", "at_smallest_normal"],
+)
+@pytest.mark.parametrize("as_tensor", [False, True], ids=["static", "tensor"])
+def test_update_without_a_floor_stops_at_the_smallest_normal_float32(state, expected, as_tensor):
+    config = LossScaleConfig(dynamic_growth_steps=3, min_scale=None)
+    assert _run_update(state, False, config, as_tensor) == expected
+
+
 @pytest.mark.parametrize("as_tensor", [False, True], ids=["static", "tensor"])
 @pytest.mark.parametrize("finite", [True, False])
 def test_update_fixed_scale_never_changes(finite, as_tensor):
@@ -78,28 +93,33 @@ def test_update_fixed_scale_never_changes(finite, as_tensor):
 
 
 TRANSITIONS = [
-    # (dynamic, state, finite): every branch of `update`, with the bounds.
-    (True, (8.0, 0, 0), True),  # count
-    (True, (8.0, 2, 0), True),  # grow
-    (True, (48.0, 2, 0), True),  # grow to the ceiling
-    (True, (64.0, 2, 0), True),  # at the ceiling
-    (True, (8.0, 2, 5), False),  # back off
-    (True, (1.5, 1, 0), False),  # back off to the floor
-    (True, (1.0, 0, 3), False),  # at the floor
-    (False, (1000.0, 5, 0), True),  # fixed: count
-    (False, (1000.0, 5, 2), False),  # fixed: skip
+    # (dynamic, min_scale, state, finite): every branch of `update`, with the bounds.
+    (True, 1.0, (8.0, 0, 0), True),  # count
+    (True, 1.0, (8.0, 2, 0), True),  # grow
+    (True, 1.0, (48.0, 2, 0), True),  # grow to the ceiling
+    (True, 1.0, (64.0, 2, 0), True),  # at the ceiling
+    (True, 1.0, (8.0, 2, 5), False),  # back off
+    (True, 1.0, (1.5, 1, 0), False),  # back off to the floor
+    (True, 1.0, (1.0, 0, 3), False),  # at the floor
+    (True, None, (1.0, 0, 3), False),  # no floor: below 1
+    (True, None, (1.5 * 2.0**-126, 0, 3), False),  # to the smallest normal float32
+    (True, None, (2.0**-126, 0, 3), False),  # at it
+    (False, 1.0, (1000.0, 5, 0), True),  # fixed: count
+    (False, 1.0, (1000.0, 5, 2), False),  # fixed: skip
 ]
 
 
 @pytest.mark.skipif(BACKEND != "torch", reason="PyTorch's in-place form of `update`")
-@pytest.mark.parametrize("dynamic, state, finite", TRANSITIONS)
-def test_torch_in_place_update_agrees_with_update(dynamic, state, finite):
+@pytest.mark.parametrize("dynamic, min_scale, state, finite", TRANSITIONS)
+def test_torch_in_place_update_agrees_with_update(dynamic, min_scale, state, finite):
     """PyTorch's step updates the state with in-place ops (faster than
     `update` through `keras.ops`): the same transition, every branch."""
     from keras_mp._src.backends import torch as torch_backend
     from keras_mp._src.optimizer.loss_scale import Step
 
-    config = LossScaleConfig(dynamic=dynamic, dynamic_growth_steps=3, min_scale=1.0, max_scale=64.0)
+    config = LossScaleConfig(
+        dynamic=dynamic, dynamic_growth_steps=3, min_scale=min_scale, max_scale=64.0
+    )
     variables = [
         keras.Variable(value, dtype=dtype, trainable=False)
         for value, dtype in zip(state, ("float32", "int32", "int32"))
@@ -139,10 +159,10 @@ dynamic_configs = st.fixed_dictionaries(
         "dynamic_growth_steps": st.integers(1, 4),
         "growth_factor": st.sampled_from([2.0, 4.0, 1.5, 3.0]),
         "backoff_factor": st.sampled_from([0.5, 0.25, 0.3]),
-        "min_scale": st.sampled_from([1.0, 0.5, 3.0]),
+        "min_scale": st.sampled_from([None, 1.0, 0.5, 3.0]),
         "max_scale": st.sampled_from([2.0**12, 2.0**16, 5000.0]),
     }
-).filter(lambda c: c["min_scale"] <= c["initial_scale"] <= c["max_scale"])
+).filter(lambda c: (c["min_scale"] or 0.0) <= c["initial_scale"] <= c["max_scale"])
 fixed_configs = st.fixed_dictionaries(
     {
         "dynamic": st.just(False),
@@ -195,16 +215,30 @@ def test_optimizer_follows_reference(config, kinds, seed, jax_skip_form):
             np.testing.assert_array_equal(_numpy(variable), weights[0], err_msg=where)
 
 
-def test_scale_never_collapses(jax_skip_form):
-    """Keras 3.15's built-in reaches 0.0 after 200 overflows, then NaN weights."""
-    optimizer = keras_mp.LossScaleOptimizer(keras.optimizers.SGD(0.1))
+@pytest.mark.parametrize("min_scale", [None, 1.0], ids=["no_floor", "min_scale_1"])
+def test_scale_never_collapses(min_scale, jax_skip_form):
+    """Keras 3.15's built-in (and torch.amp's GradScaler) reach 0.0 after
+    about 160 overflows in a row, and a scale of 0 never comes back. Without
+    a floor keras_mp's stops at the smallest normal float32; with one, there."""
+    reference = ReferenceLossScale(dynamic_growth_steps=2, min_scale=min_scale)
+    optimizer = keras_mp.LossScaleOptimizer(
+        keras.optimizers.SGD(0.1), dynamic_growth_steps=2, min_scale=min_scale
+    )
     variable = keras.Variable(np.ones(3, np.float32))
     optimizer.build([variable])
     bad = ops.convert_to_tensor(np.array([np.inf, 1.0, 1.0], np.float32))
     for _ in range(300):
         optimizer.apply([bad], [variable])
-    assert float(_numpy(optimizer.loss_scale)) == 1.0
+        reference.step([_numpy(bad)])
+    floor = np.float32(2.0**-126) if min_scale is None else np.float32(min_scale)
+    assert reference.scale == floor
+    assert float(_numpy(optimizer.loss_scale)) == floor
     assert int(_numpy(optimizer.skipped_steps)) == 300
-    optimizer.apply([ops.convert_to_tensor(np.ones(3, np.float32))], [variable])
-    np.testing.assert_array_equal(_numpy(variable), np.full(3, np.float32(0.9)))
-    assert np.all(np.isfinite(_numpy(variable)))
+    # A gradient of 1 scaled by the floor is unscaled to 1; two finite steps
+    # grow the scale off the floor.
+    good = np.full(3, floor, np.float32)
+    for _ in range(2):
+        optimizer.apply([ops.convert_to_tensor(good)], [variable])  # unscaled in place on torch
+        reference.step([good])
+    np.testing.assert_allclose(_numpy(variable), np.full(3, np.float32(0.8)), rtol=1e-6)
+    assert float(_numpy(optimizer.loss_scale)) == reference.scale == 2 * floor

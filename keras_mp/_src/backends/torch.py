@@ -94,7 +94,7 @@ def update_in_place(step, finite):
         skipped_steps.add_(1)
         good_steps.zero_()
         if config.dynamic:
-            torch.maximum(scale * config.backoff_factor, _bound(scale, config.min_scale), out=scale)
+            torch.maximum(scale * config.backoff_factor, _bound(scale, config.floor), out=scale)
         return
     good_steps.add_(1)
     if config.dynamic:

@@ -1,11 +1,14 @@
 """`OverflowGuard`: stop a run whose steps keep overflowing, and say why."""
 
+import math
 import numbers
+import warnings
 
 import keras
 import numpy as np
 
 from keras_mp._src import keras_internals
+from keras_mp._src.model import skip_advice
 from keras_mp._src.model.wrapping import loss_scale_optimizers
 
 TELEMETRY_KEYS = ("loss_scale", "skipped_steps")
@@ -20,15 +23,6 @@ def telemetry_keys(label):
     return tuple(f"{label}_{key}" for key in TELEMETRY_KEYS)
 
 
-_HINTS = (
-    "Things to try: a lower learning rate, or gradient clipping on the inner "
-    "optimizer (e.g. `clipnorm=1.0`); check the data for NaN/inf; run "
-    "`keras_mp.analyze(model, x, y)` to see which layers overflow float16 and "
-    "keep them in float32 (`amp_level='O1'`, or `deny=[...]`); or train in "
-    "bfloat16 (`amp_dtype='bfloat16'`), which has float32's range."
-)
-
-
 def _value(x):
     return np.asarray(keras.ops.convert_to_numpy(x)).item()
 
@@ -41,11 +35,13 @@ class OverflowGuard(keras.callbacks.Callback):
     model itself produces inf/NaN (diverged weights, bad data, a layer that
     overflows float16) and training makes no progress while looking busy.
     The guard stops `fit` with a message saying how many steps were skipped
-    in a row, the loss scale, and what to try, when
+    in a row, the loss scale, and what fits the cause (`skip_advice.py`:
+    a scale pinned at `min_scale` needs a lower floor, not a lower learning
+    rate), when
 
     - `patience` steps in a row were skipped, or
-    - a step was skipped with the dynamic scale already at `min_scale` (the
-      scale is pinned: it cannot back off any further).
+    - a step was skipped with the dynamic scale already at its floor (it
+      cannot back off any further): `min_scale`, or 2**-126 without one.
 
     It reads the optimizer's `skipped_steps` and `loss_scale` from the step's
     logs one step late: the step before the current one has finished, so
@@ -57,8 +53,8 @@ class OverflowGuard(keras.callbacks.Callback):
 
     Args:
         patience: int >= 1, the number of consecutive skipped steps to allow.
-        stop_at_min_scale: bool, whether a skipped step at `min_scale` stops
-            training at once.
+        stop_at_min_scale: bool, whether a skipped step at the scale's floor
+            (`min_scale`, or 2**-126 without one) stops training at once.
         verbose: 0 or 1; 1 prints the message when it stops training.
 
     Attributes:
@@ -154,9 +150,10 @@ class OverflowGuard(keras.callbacks.Callback):
             if what is None:
                 continue
             whose = "" if watch.label == "optimizer" else f"`{watch.label}`: "
+            cause, advice = skip_advice.diagnosis(watch.optimizer, watch.last_scale)
             self.message = (
                 f"OverflowGuard stopped training at step {step}: {whose}{what}; "
-                f"{watch.last_skipped} steps skipped in all. {_HINTS}"
+                f"{watch.last_skipped} steps skipped in all. Why: {cause}. {advice}"
             )
             self.stopped_step = step
             self.model.stop_training = True
@@ -182,23 +179,30 @@ class _Watch:
         self.streak = self.streak + new_skips if new_skips > 0 else 0
         optimizer = self.optimizer
         pinned = (
-            stop_at_min_scale
-            and optimizer.dynamic
-            and new_skips > 0
-            and scale_before <= optimizer.min_scale
+            stop_at_min_scale and new_skips > 0 and skip_advice.at_floor(optimizer, scale_before)
         )
         if self.streak < patience and not pinned:
             return None
         if pinned:
-            return (
-                f"the loss scale is pinned at min_scale={optimizer.min_scale:g} "
-                f"and steps still overflow ({self.streak} skipped in a row)"
+            floor = (
+                "at its lowest, 2**-126"
+                if optimizer.min_scale is None
+                else f"pinned at min_scale={optimizer.min_scale:g}"
             )
+            return (
+                f"the loss scale is {floor} and steps still overflow "
+                f"({self.streak} skipped in a row)"
+            )
+        if not optimizer.dynamic:
+            kind = " (fixed)"
+        elif optimizer.min_scale is None:
+            kind = ""
+        else:
+            kind = f" (min_scale={optimizer.min_scale:g})"
         return (
             f"{self.streak} steps in a row were skipped because their "
             f"gradients were not finite (patience={patience}); the "
-            f"loss scale is {loss_scale:g}"
-            + (f" (min_scale={optimizer.min_scale:g})" if optimizer.dynamic else " (fixed)")
+            f"loss scale is {skip_advice.scale_text(loss_scale)}{kind}"
         )
 
 
@@ -272,3 +276,94 @@ class EpochTelemetry(keras.callbacks.Callback):
             if scale_key not in logs:
                 logs[scale_key] = float(_value(optimizer.loss_scale))
                 logs[skipped_key] = float(_value(optimizer.skipped_steps))
+
+
+class SkippedStepsWarning(keras.callbacks.Callback):
+    """Warns, while `fit` runs, when most of its steps are being skipped.
+
+    `fit` adds it after `EpochTelemetry`. It reads no value of its own
+    during the run: the optimizer's `skipped_steps` and `loss_scale` where
+    the logs already carry them (each epoch's, and each step's where the
+    progress bar or a batch callback reads them), the number of steps from
+    the batch index. A window of steps starts at the first of these
+    values and restarts at each epoch end where it was not mostly
+    skipped; it warns, once a `fit` for each optimizer,
+    when more than half the window's steps were skipped and at least
+    `UNEXPLAINED` of those skips are more than its dynamic scale's fall
+    explains (each skip backs it off once: a run finding its scale at the
+    start skips only those). The message says why, from where the scale
+    stands (`skip_advice.py`).
+    """
+
+    async_safe = True
+    UNEXPLAINED = 8
+
+    def on_train_begin(self, logs=None):
+        self._windows = [
+            _Window(label, optimizer)
+            for label, optimizer in loss_scale_optimizers(self.model)
+            if optimizer.config.checks_finite
+        ]
+        self._done = 0  # the steps of the epochs that ended
+        self._epoch_steps = 0
+
+    def on_train_batch_end(self, batch, logs=None):
+        self._epoch_steps = max(self._epoch_steps, batch + 1)
+        self._check(logs, epoch_end=False)
+
+    def on_epoch_end(self, epoch, logs=None):
+        self._done += self._epoch_steps
+        self._epoch_steps = 0
+        self._check(logs, epoch_end=True)
+
+    def _check(self, logs, epoch_end):
+        steps = self._done + self._epoch_steps
+        for window in getattr(self, "_windows", ()):
+            scale_key, skipped_key = telemetry_keys(window.label)
+            if logs and scale_key in logs and skipped_key in logs:
+                window.check(steps, int(logs[skipped_key]), float(logs[scale_key]), epoch_end)
+
+
+class _Window:
+    """One optimizer's steps since its window began, for SkippedStepsWarning."""
+
+    def __init__(self, label, optimizer):
+        self.label = label
+        self.optimizer = optimizer
+        self.warned = False
+        # Where the window starts: the first values the logs carry (reading
+        # the variables at the start of `fit` would be a read of its own).
+        self.steps = None
+
+    def _restart(self, steps, skipped, scale):
+        self.steps, self.skipped, self.scale = steps, skipped, scale
+
+    def check(self, steps, skipped, scale, epoch_end):
+        if self.steps is None:
+            self._restart(steps, skipped, scale)
+            return
+        taken, skips = steps - self.steps, skipped - self.skipped
+        mostly = 2 * skips > taken
+        if (
+            mostly
+            and not self.warned
+            and skips - self._fall(scale) >= SkippedStepsWarning.UNEXPLAINED
+        ):
+            self.warned = True
+            whose = "" if self.label == "optimizer" else f" (`{self.label}`)"
+            cause, advice = skip_advice.diagnosis(self.optimizer, scale)
+            warnings.warn(
+                f"keras_mp: {skips} of the last {taken} training steps were "
+                f"skipped{whose}, their gradients not finite: the model hardly "
+                f"trains. Why: {cause}. {advice}",
+                stacklevel=2,
+            )
+        if epoch_end and not mostly:
+            self._restart(steps, skipped, scale)
+
+    def _fall(self, scale):
+        """How many back-offs took the dynamic scale from the window's start to `scale`."""
+        optimizer = self.optimizer
+        if not optimizer.dynamic or scale >= self.scale:
+            return 0
+        return round(math.log(self.scale / scale) / -math.log(optimizer.backoff_factor))

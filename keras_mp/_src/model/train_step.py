@@ -36,6 +36,7 @@ from keras_mp._src import keras_internals
 from keras_mp._src.model import assigned_half
 from keras_mp._src.model.callbacks import EpochTelemetry
 from keras_mp._src.model.callbacks import ProgbarLogger
+from keras_mp._src.model.callbacks import SkippedStepsWarning
 from keras_mp._src.model.callbacks import telemetry_keys
 from keras_mp._src.model.wrapping import loss_scale_optimizers
 from keras_mp._src.optimizer.master_weights import float32_grads_of
@@ -111,6 +112,8 @@ def _fit_with_telemetry(model, fit):
     - Keras's bar prints every log value as a float (`0.0000e+00`); unless
       the caller passes a `ProgbarLogger` of their own, keras_mp's (the same
       bar, counts as integers) takes its place.
+    - A run whose steps are mostly skipped says so while it runs
+      (`SkippedStepsWarning`, from the values the logs carry).
 
     Nothing else about `fit` changes.
     """
@@ -133,7 +136,7 @@ def _fit_with_telemetry(model, fit):
             callbacks.append(ProgbarLogger())
         live_bar = verbose in (1, "auto")  # Keras's "auto" is 1 in `fit`
         _set_batch_telemetry(model, live_bar or any(_reads_batch_logs(c) for c in callbacks))
-        bound.arguments["callbacks"] = [EpochTelemetry()] + callbacks
+        bound.arguments["callbacks"] = [EpochTelemetry(), SkippedStepsWarning()] + callbacks
         return fit(*bound.args, **bound.kwargs)
 
     return fit_with_telemetry

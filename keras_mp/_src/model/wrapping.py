@@ -107,22 +107,21 @@ def _from_keras_loss_scale_optimizer(optimizer, master_weights):
 
     Under `amp_level` a skipped step must also leave BatchNorm's statistics
     and the metrics as they were, and the logs carry the scale; both need
-    keras_mp's optimizer. Keras's scale has no floor: a scale it let fall
-    below 1 comes back as 1 (`min_scale`).
+    keras_mp's optimizer. Neither scale has a floor (`min_scale=None`); one
+    that Keras's let fall to 0 comes back as 2**-126, keras_mp's lowest.
     """
     initial_scale = float(optimizer.initial_scale)
     converted = LossScaleOptimizer(
         optimizer.inner_optimizer,
         initial_scale=initial_scale,
         dynamic_growth_steps=optimizer.dynamic_growth_steps,
-        min_scale=min(1.0, initial_scale),
         max_scale=max(2.0**24, initial_scale),
         master_weights=master_weights,
         name=optimizer.name,
     )
     if optimizer.built:
         scale = float(keras.ops.convert_to_numpy(optimizer.dynamic_scale))
-        converted.loss_scale.assign(min(max(scale, converted.min_scale), converted.max_scale))
+        converted.loss_scale.assign(min(max(scale, converted.config.floor), converted.max_scale))
         converted.good_steps.assign(optimizer.step_counter.value)
     warnings.warn(
         "compile(amp_level=...) replaced keras.optimizers.LossScaleOptimizer "

@@ -22,6 +22,13 @@ from keras import ops
 # 2**126 is no longer a normal float32 (a device that flushes subnormals to
 # zero would zero every gradient).
 MAX_SCALE = 2.0**126
+# The lowest scale, whatever `min_scale` says (None: no floor of the user's):
+# the smallest normal float32. Below it the scale would be a subnormal that
+# a device flushing them makes 0, and a scale of 0 never comes back (0 times
+# the growth factor is 0): every step would be "finite" with zero gradients,
+# or, divided by 0, never finite again (Keras 3's and torch.amp's scales fall
+# to 0 after about 150 overflows in a row).
+MIN_SCALE = 2.0**-126
 FLOAT32_MAX = 3.4028234663852886e38
 
 
@@ -37,9 +44,15 @@ class LossScaleConfig:
     dynamic_growth_steps: int = 2000
     growth_factor: float = 2.0
     backoff_factor: float = 0.5
-    min_scale: float = 1.0
+    min_scale: float | None = None
     max_scale: float = 2.0**24
     skip_on_overflow: bool = True
+
+    @property
+    def floor(self):
+        """The lowest the dynamic scale goes: `min_scale`, or with no floor
+        of the user's (`None`) the smallest normal float32, 2**-126."""
+        return MIN_SCALE if self.min_scale is None else self.min_scale
 
     @property
     def checks_finite(self):
@@ -87,8 +100,11 @@ def update(state, grads_finite, config):
         skipped_steps += 1
         good_steps = 0
         if dynamic:
-            scale = max(scale * backoff_factor, min_scale)
+            scale = max(scale * backoff_factor, floor)
     ```
+
+    `floor` is `config.floor`: `min_scale`, or 2**-126 (the smallest normal
+    float32) when `min_scale` is None.
 
     Written with selects rather than branches: one trace, no host sync. With
     a Python bool `grads_finite` the selects fold away and only that outcome's
@@ -127,7 +143,7 @@ def update(state, grads_finite, config):
             lambda: select(
                 finite,
                 lambda: scale,
-                lambda: ops.maximum(scale * config.backoff_factor, config.min_scale),
+                lambda: ops.maximum(scale * config.backoff_factor, config.floor),
             ),
         )
         good_steps = select(grow, zero, lambda: good_steps)
@@ -197,12 +213,15 @@ def _check_bool(name, value, hint=""):
         )
 
 
-def check_scale(name, value):
-    if not _is_number(value) or not (0 < value <= MAX_SCALE):
+def check_scale(name, value, none_means=""):
+    """Refuses a scale outside [2**-126, 2**126]: the scale and its reciprocal
+    (what gradients are multiplied by) must be normal float32 numbers."""
+    if not _is_number(value) or not (MIN_SCALE <= value <= MAX_SCALE):
         raise ValueError(
-            f"`{name}` must be a number greater than 0 and at most 2**126 "
-            "(gradients are multiplied by its reciprocal, which must be a "
-            f"normal float32). Received: {name}={value!r}"
+            f"`{name}` must be a number of at least 2**-126 and at most "
+            "2**126 (the scale and its reciprocal, which gradients are "
+            "multiplied by, must be normal float32 numbers)"
+            f"{none_means}. Received: {name}={value!r}"
         )
 
 
@@ -263,9 +282,10 @@ def config_from_arguments(
             "`backoff_factor` must be a number in the open interval (0, 1). "
             f"Received: backoff_factor={backoff_factor!r}"
         )
-    check_scale("min_scale", min_scale)
+    if min_scale is not None:
+        check_scale("min_scale", min_scale, none_means=", or None for no floor")
     check_scale("max_scale", max_scale)
-    if min_scale > max_scale:
+    if min_scale is not None and min_scale > max_scale:
         raise ValueError(
             "`min_scale` must be less than or equal to `max_scale`. "
             f"Received: min_scale={min_scale!r}, max_scale={max_scale!r}"
@@ -277,7 +297,8 @@ def config_from_arguments(
             "which it must detect. Received: dynamic=True, "
             "skip_on_overflow=False"
         )
-    if dynamic and not (min_scale <= initial_scale <= max_scale):
+    floor = MIN_SCALE if min_scale is None else min_scale
+    if dynamic and not (floor <= initial_scale <= max_scale):
         raise ValueError(
             "With `dynamic=True`, `initial_scale` must lie in "
             f"[min_scale, max_scale] = [{min_scale!r}, {max_scale!r}]. "
@@ -288,7 +309,7 @@ def config_from_arguments(
         dynamic_growth_steps=int(dynamic_growth_steps),
         growth_factor=float(growth_factor),
         backoff_factor=float(backoff_factor),
-        min_scale=float(min_scale),
+        min_scale=None if min_scale is None else float(min_scale),
         max_scale=float(max_scale),
         skip_on_overflow=skip_on_overflow,
     )

@@ -1,7 +1,5 @@
 """`keras_mp.LossScaleOptimizer`: fixed and dynamic loss scaling."""
 
-import dataclasses
-
 import keras
 from keras import ops
 
@@ -9,6 +7,7 @@ from keras_mp._src import backends
 from keras_mp._src import keras_internals
 from keras_mp._src.optimizer import deferred_loading
 from keras_mp._src.optimizer import low_precision_state
+from keras_mp._src.optimizer import serialization
 from keras_mp._src.optimizer import skipped_state
 from keras_mp._src.optimizer import stateless
 from keras_mp._src.optimizer import tf_keras_names
@@ -38,6 +37,7 @@ class LossScaleOptimizer(
     stateless.StatelessApply,
     skipped_state.RestoreOnSkipMethod,
     tf_keras_names.TfKeras2Names,
+    serialization.ConfigRoundTrip,
     _KerasLossScaleOptimizer,
 ):
     """An optimizer that scales the loss so float16 gradients do not underflow.
@@ -63,14 +63,14 @@ class LossScaleOptimizer(
     else:                                   # the step is skipped
         skipped_steps += 1
         good_steps = 0
-        if dynamic:
-            loss_scale = max(loss_scale * backoff_factor, min_scale)
+        if dynamic:   # floor: min_scale, or 2**-126 with min_scale=None
+            loss_scale = max(loss_scale * backoff_factor, floor)
     ```
 
     It is a drop-in for `keras.optimizers.LossScaleOptimizer` (and
     `isinstance` of it, so `compile` never wraps it again); unlike the
     built-in, it also takes tf.keras 2's `dynamic=False, initial_scale=...`
-    for a fixed scale, and the dynamic scale never falls below `min_scale`.
+    for a fixed scale, and its scale never reaches 0.
 
     Args:
         inner_optimizer: `keras.optimizers.Optimizer` instance to wrap. Set
@@ -78,7 +78,7 @@ class LossScaleOptimizer(
             sees unscaled gradients.
         dynamic: bool. `True` adjusts the scale as above; `False` keeps
             `initial_scale` fixed.
-        initial_scale: float in (0, 2**126]. The scale of the first step. A high value
+        initial_scale: float in [2**-126, 2**126]. The scale of the first step. A high value
             is recommended for a dynamic scale: an overflow lowers it at once,
             growth takes `dynamic_growth_steps` steps. `None` means `2**15`.
         dynamic_growth_steps: int >= 1 (a float with an integer value, such
@@ -89,7 +89,12 @@ class LossScaleOptimizer(
         growth_factor: float > 1. What the scale is multiplied by on growth.
         backoff_factor: float in (0, 1). What the scale is multiplied by after
             a non-finite step.
-        min_scale: float in (0, 2**126]. The dynamic scale never goes below this.
+        min_scale: `None` (no floor: the scale falls as low as the gradients
+            need, as in Keras 3 and `torch.amp.GradScaler`; a regression on
+            unnormalised targets needs one below 1) or a float in
+            [2**-126, 2**126] that the dynamic scale never goes below
+            (tf.keras 2's was 1). Either way the scale stays at or above
+            2**-126, the smallest normal float32, so it never reaches 0.
         max_scale: float in [`min_scale`, 2**126]. The dynamic scale never goes above
             this.
         skip_on_overflow: bool. Fixed scale only: `False` applies every step
@@ -148,7 +153,7 @@ class LossScaleOptimizer(
         *,
         growth_factor=2.0,
         backoff_factor=0.5,
-        min_scale=1.0,
+        min_scale=None,
         max_scale=2.0**24,
         skip_on_overflow=True,
         master_weights=True,
@@ -374,27 +379,3 @@ class LossScaleOptimizer(
             self._scaled_this_step = True
         scale, self._scale_is_the_steps = backends.current.read_scale(self.loss_scale)
         return ops.multiply(loss, scale)
-
-    # -- serialization ----------------------------------------------------------
-
-    def get_config(self):
-        # Not `super().get_config()`: the base arguments belong to the inner
-        # optimizer.
-        return {
-            "name": self.name,
-            "inner_optimizer": keras.saving.serialize_keras_object(self.inner_optimizer),
-            **dataclasses.asdict(self._config),
-            "initial_scale": self.initial_scale,
-            "dynamic_growth_steps": self.dynamic_growth_steps,
-            "master_weights": self._master_weights,
-            "shard_optimizer_state": self._shard_optimizer_state,
-            "moment_dtypes": list(self._moment_dtypes) if self._moment_dtypes else None,
-        }
-
-    @classmethod
-    def from_config(cls, config, custom_objects=None):
-        config = tf_keras_names.config_of_older_releases(config)
-        inner_optimizer = keras.saving.deserialize_keras_object(
-            config.pop("inner_optimizer"), custom_objects=custom_objects
-        )
-        return cls(inner_optimizer, **config)

@@ -50,12 +50,3 @@ class TfKeras2Names:
         unscaled = backends.current.unscale(list(grads), self.loss_scale.value, keep_dtype=True)
         self._grads_unscaled_by_caller = True
         return unscaled
-
-
-def config_of_older_releases(config):
-    """A config that keras_mp 0.1 wrote, as this release reads it."""
-    config = dict(config)
-    if config.get("dynamic") is False and config.get("dynamic_growth_steps") == 2000:
-        # Written by keras_mp 0.1 for a fixed scale (now `None`).
-        config["dynamic_growth_steps"] = None
-    return config
