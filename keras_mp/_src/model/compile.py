@@ -47,7 +47,8 @@ def compile(model, *args, **kwargs):
             or None), `keep_batchnorm_fp32`, `master_weights` (None:
             True; O3's half variables are updated through float32 copies),
             `amp_allow`/`amp_deny`: `apply_amp`'s `allow`/`deny` (None:
-            those of the model's latest `apply_amp`, if any), and
+            those of the model's latest `apply_amp`, if any; a string must
+            name a layer of the model), and
             `shard_optimizer_state` (JAX under `keras.distribution`: ZeRO-1).
     """
     if not isinstance(model, keras.Model):

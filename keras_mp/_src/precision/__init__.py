@@ -1,7 +1,8 @@
 """Precision: which layer computes in what, and why.
 
 The levels (`levels`, `amp_settings`, `auto_level`), the rules as a table
-(`layer_kinds`, `rules`), walks of the layer tree (`layer_tree`), setting
+(`layer_kinds`, `rules`), walks of the layer tree (`layer_tree`), the
+layer names in `allow`/`deny` checked against the model (`named_layers`), setting
 the policies (`policies`), the casts at layers' boundaries (`boundaries`,
 `handoff`, `probabilities`),
 configs that rebuild in the precision set (`loadable_config`), a layer of

@@ -53,6 +53,8 @@ class AmpSettings:
             `apply_amp`); the head rule reads it (`output_losses.py`).
         auto: under `amp_level="auto"`, what it picked and why (one line,
             which `precision_summary` shows); else None.
+        list_arguments: what the user called `allow` and `deny` (`apply_amp`'s
+            names, or `compile`'s `amp_allow`/`amp_deny`), for the errors.
     """
 
     level: Level
@@ -66,6 +68,7 @@ class AmpSettings:
     float8: object = None
     loss: object = None
     auto: object = None
+    list_arguments: tuple = ("allow", "deny")
 
     @property
     def name(self):
@@ -268,6 +271,7 @@ def for_compile(
         shard_optimizer_state,
         recipe,
         auto=auto,
+        list_arguments=("amp_allow", "amp_deny"),
     )
 
 

@@ -18,6 +18,7 @@ from keras_mp._src.precision import fallback
 from keras_mp._src.precision import float8
 from keras_mp._src.precision import layer_kinds
 from keras_mp._src.precision import layer_tree
+from keras_mp._src.precision import named_layers
 from keras_mp._src.precision import output_losses
 from keras_mp._src.precision import probabilities
 from keras_mp._src.precision import rules
@@ -118,8 +119,11 @@ def apply_amp(
             other layer as at the level in bfloat16.
         keep_batchnorm_fp32: bool or `None` (float32 BatchNorm except at O3).
         allow: layer classes, names or layers to add to the allow-list
-            (O1), or, at O2, your own composite layers to run in half.
-        deny: layer classes, names or layers to add to the deny-list (O2).
+            (O1), or, at O2, your own composite layers to run in half. A
+            string is a layer's name (never a class's: pass the class), and
+            must name a layer of the model's tree, nested models included.
+        deny: layer classes, names or layers to add to the deny-list (O2);
+            names as for `allow`.
         float8_recipe: with `dtype="float8"`: a `keras_mp.Float8Recipe`
             (or a dict of its arguments); None: its defaults.
 
@@ -129,7 +133,8 @@ def apply_amp(
     Raises:
         TypeError: `model` is not a Keras layer, or `allow`/`deny` hold
             something other than layer classes, names and layers.
-        ValueError: unknown `level` or `dtype`.
+        ValueError: unknown `level` or `dtype`; a name in `allow`/`deny`
+            that names no layer of the model (the error gives the nearest).
 
     Example:
 
@@ -149,6 +154,7 @@ def apply_amp(
 
 def apply(model, amp):
     """`apply_amp` with its settings resolved (`amp_settings.AmpSettings`)."""
+    named_layers.check_names(model, amp)
     object.__setattr__(model, _AUTO_ATTRIBUTE, amp.auto)
     outputs = layer_tree.output_layers(model)
     entry_dtype = amp.inner_dtype
