@@ -81,3 +81,65 @@ def test_jax_train_step_scaling_outside_its_state_is_told_how():
     model.compile(optimizer="sgd", loss="mse", amp_level="O2")
     with pytest.raises(ValueError, match=r"(?s)inside `fit`.*keras.StatelessScope\(state_mapping"):
         model.fit(x, y, verbose=0)
+
+
+def _gradients_of_a_raw_loop(model, optimizer, x, y, scaled):
+    """One step of a loop of the user's own, as each backend's users write
+    it: the gradients of the MSE, scaled with `scale_loss` or not."""
+    if BACKEND == "tensorflow":
+        import tensorflow as tf
+
+        with tf.GradientTape() as tape:
+            loss = tf.reduce_mean(tf.square(model(x) - y))
+            loss = optimizer.scale_loss(loss) if scaled else loss
+        return tape.gradient(loss, model.trainable_variables)
+    if BACKEND == "torch":
+        import torch
+
+        model.zero_grad()
+        loss = torch.mean(torch.square(model(x) - keras.ops.convert_to_tensor(y)))
+        (optimizer.scale_loss(loss) if scaled else loss).backward()
+        return [v.value.grad for v in model.trainable_variables]
+    import jax
+
+    def loss_fn(trainable):
+        pred, _ = model.stateless_call(trainable, [], x)
+        loss = jax.numpy.mean(jax.numpy.square(pred - y))
+        return optimizer.scale_loss(loss) if scaled else loss
+
+    return jax.grad(loss_fn)([v.value for v in model.trainable_variables])
+
+
+@pytest.mark.parametrize("scaled", [False, True], ids=["unscaled", "scaled"])
+@pytest.mark.parametrize(
+    "scale, after_fit",
+    [("dynamic", False), ("fixed", False), ("dynamic", True)],
+    ids=["dynamic", "fixed", "dynamic_after_fit"],
+)
+def test_a_raw_loop_whose_loss_was_never_scaled_is_told_once(scale, after_fit, scaled):
+    """`optimizer.apply` in a loop of the user's own, in float16, whose loss
+    never reached `scale_loss`: warned once, naming the optimizer and the
+    line to add; a loop that scales its loss is not. After a `fit` (whose
+    step scaled the loss) the loop that does not scale is told too: it was
+    not, since `fit`'s scaling counted for it."""
+    x, y = loop_data()
+    model = loop_model()
+    keras_mp.apply_amp(model, "O2")
+    arguments = {"dynamic": False, "initial_scale": 1024.0} if scale == "fixed" else {}
+    optimizer = keras_mp.LossScaleOptimizer(keras.optimizers.SGD(0.01), name="lso", **arguments)
+    if after_fit:
+        model.compile(optimizer=optimizer, loss="mse")
+        model.fit(x, y, verbose=0)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for _ in range(3):
+            grads = _gradients_of_a_raw_loop(model, optimizer, x, y, scaled)
+            optimizer.apply(grads, model.trainable_variables)
+    told = [str(w.message) for w in caught if "loss was never scaled" in str(w.message)]
+    if scaled:
+        assert told == []
+        return
+    assert len(told) == 1, told
+    assert "`lso` (wrapping SGD)" in told[0]
+    assert "`loss = optimizer.scale_loss(loss)`" in told[0]
+    assert ("outside `fit`" in told[0]) == after_fit

@@ -205,6 +205,8 @@ class LossScaleOptimizer(
         # Whether `scale_loss` was ever called (the unscaled-loss warnings);
         # read when a step is traced or run, never from a tensor.
         self._loss_ever_scaled = False
+        # ... outside a `fit` step (a loop of the user's own, `unscaled_loss.py`).
+        self._loss_scaled_outside_fit = False
         self._warned_unscaled_loss = False
         # Inside a `fit` step (set by its train step, `train_step.py`): whether
         # the loss reached `scale_loss` in this step; None outside one.
@@ -377,5 +379,6 @@ class LossScaleOptimizer(
         self._loss_ever_scaled = True
         if self._scaled_this_step is not None:
             self._scaled_this_step = True
+        unscaled_loss.note_scaled(self)
         scale, self._scale_is_the_steps = backends.current.read_scale(self.loss_scale)
         return ops.multiply(loss, scale)

@@ -12,40 +12,53 @@ import warnings
 from keras_mp._src import backends
 
 
+def note_scaled(self):
+    """`scale_loss` ran: outside a `fit` step, the user's loop scales its loss."""
+    if self._scaled_this_step is None:
+        self._loss_scaled_outside_fit = True
+
+
 def warn_if_the_loss_was_never_scaled(self, method):
     """Warns, once, of gradients applied while `scale_loss` never ran.
 
     Keras's own `train_step` scales the loss; a custom `train_step` or
     loop written without loss scaling in mind (Keras's "customizing
-    fit" guide) does not, and its gradients, divided by a scale they
-    were never multiplied by, make every update `loss_scale` times too
-    small: the model does not train, and nothing says why. Whether
-    `scale_loss` was ever called is known in Python (when the step is
+    fit" guide, a `GradientTape` / `loss.backward()` / `jax.grad` loop
+    that then calls `optimizer.apply`) does not, and its gradients,
+    divided by a scale they were never multiplied by, make every update
+    `loss_scale` times too small: the model does not train, and nothing
+    says why. Inside `fit` the train step tells, step by step
+    (`_scaled_this_step`). Outside it, in a loop of the user's own, the
+    warning comes when `scale_loss` never ran outside `fit`: an optimizer
+    that trained under `fit` (whose step scaled the loss) and then in a
+    loop that does not is told too. Known in Python (when the step is
     traced or run), so the check costs no step anything. Not "since the
-    last step": a loss scaled in one `tf.function` and applied outside it
-    is scaled only when that function is traced.
+    last step": a loss scaled in one `tf.function` (or `jax.jit`) and
+    applied outside it is scaled in Python only when that is traced.
     """
     if self._unit_scale:
         return  # dividing by 1 changes nothing
     if self._scaled_this_step is False:
         _warn_unscaled_in_a_train_step(self, method)
         return
-    if self._loss_ever_scaled or self._warned_unscaled_loss:
+    if self._scaled_this_step or self._loss_scaled_outside_fit or self._warned_unscaled_loss:
         return
     self._warned_unscaled_loss = True
+    where = " outside `fit`" if self._loss_ever_scaled else ""
     warnings.warn(
         f"LossScaleOptimizer.{method} was called, but the loss was never "
-        f"scaled: its gradients are divided by the loss scale "
-        f"({self.initial_scale:g}) without having been multiplied by it, "
-        "so every update is that many times too small and the model "
-        "hardly trains. A custom `train_step` or training loop must scale "
-        "the loss before taking its gradients, as Keras's own "
-        "`train_step` does: `loss = self.optimizer.scale_loss(loss)` "
-        "(tf.keras 2: `get_scaled_loss`, then `get_unscaled_gradients`; "
-        "JAX: inside a `keras.StatelessScope` mapping the optimizer's "
-        "variables to the step's `optimizer_variables`). "
-        "If you multiplied the loss by `optimizer.loss_scale` yourself, "
-        "ignore this warning.",
+        f"scaled{where}: `{self.name}` (wrapping "
+        f"{type(self.inner_optimizer).__name__}) divides its gradients by the "
+        f"loss scale ({self.initial_scale:g} at the start) though they were "
+        "never multiplied by it, so every update is that many times too "
+        "small and the model hardly trains. Scale the loss before taking "
+        "its gradients, as Keras's own `train_step` does: add "
+        "`loss = optimizer.scale_loss(loss)` with this optimizer "
+        "(`self.optimizer.scale_loss(loss)` in a `train_step`; tf.keras 2: "
+        "`get_scaled_loss`, then `get_unscaled_gradients`; JAX: inside a "
+        "`keras.StatelessScope` mapping the optimizer's variables to the "
+        "step's `optimizer_variables`). If you multiplied the loss by "
+        "`optimizer.loss_scale` yourself, ignore this warning.",
         stacklevel=3,
     )
 
