@@ -298,7 +298,7 @@ def test_a_mostly_skipped_run_says_so_while_it_runs():
     (message,) = seen[1]
     assert "32 of the last 32 training steps were skipped" in message
     # The advice fits the cause: the floor, and the targets' scale.
-    assert "at its floor, min_scale=1" in message and "`min_scale=None`" in message
+    assert "the lowest scale that min_scale=1 allows" in message and "`min_scale=None`" in message
     assert "normalize the targets" in message
     assert "does not help" in message  # not a lower learning rate
 

@@ -185,7 +185,7 @@ class _Watch:
             return None
         if pinned:
             floor = (
-                "at its lowest, 2**-126"
+                "pinned at its lowest, 2**-126"
                 if optimizer.min_scale is None
                 else f"pinned at min_scale={optimizer.min_scale:g}"
             )

@@ -67,17 +67,17 @@ def diagnosis(optimizer, scale):
         )
     if at_floor(optimizer, scale) and optimizer.min_scale is not None:
         return (
-            f"the loss scale is at its floor, min_scale={optimizer.min_scale:g}, "
-            "and the gradients still overflow float16 there",
+            "the gradients overflow float16 even at the lowest scale that "
+            f"min_scale={optimizer.min_scale:g} allows",
             "Let the scale go as low as they need: `min_scale=None` (no floor, "
             "as Keras 3 and torch.amp.GradScaler) or a smaller `min_scale`; a "
             "lower learning rate or `clipnorm` does not help. " + _TARGETS,
         )
     if at_floor(optimizer, scale):
         return (
-            "the loss scale is at its lowest, 2**-126, and steps still fail: "
-            "no scale makes them finite, so the loss or the forward pass "
-            "itself is not",
+            "no loss scale makes the steps finite, down to 2**-126 (the "
+            "lowest, with no `min_scale`): the loss or the forward pass "
+            "itself is not finite",
             _FORWARD,
         )
     return (
