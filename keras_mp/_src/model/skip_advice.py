@@ -82,7 +82,9 @@ def diagnosis(optimizer, scale):
         )
     return (
         f"the dynamic loss scale backs off at each skipped step (now {scale_text(scale)})",
-        "At the start of a run it is finding the scale the gradients need; "
+        "At the start of a run it is finding the scale the gradients need "
+        f"(each skip multiplies it by {optimizer.backoff_factor:g}; a larger "
+        "`patience` lets `OverflowGuard` wait for it); "
         "if it keeps falling, the gradients are past float16's range at any "
         "scale it has tried. " + _TARGETS + " " + _FORWARD,
     )
