@@ -250,7 +250,8 @@ def wrap_model_optimizers(model):
     """Wraps each bare optimizer `model` holds in what its precision needs.
 
     An optimizer held by a layer or a nested model gets what that layer's
-    own policies need. Returns the labels of those it wrapped now (and says
+    own policies need (the skip alone where it computes all in float32
+    inside a half model). Returns the labels of those it wrapped now (and says
     so, once per model). An optimizer already built (it has trained) is left
     as it is, with a warning: its slots belong to the variables it was built
     on; a nested model's own compiled optimizer that has trained (a
@@ -268,7 +269,7 @@ def wrap_model_optimizers(model):
         return []
     wrapped = []
     for held in bare:
-        loss_scale = needs(held.holder)
+        loss_scale = _needs_of_held(held, model)
         if loss_scale is None:
             continue
         optimizer = held.optimizer
@@ -296,6 +297,19 @@ def wrap_model_optimizers(model):
             + " in keras_mp.LossScaleOptimizer, as the model's precision needs."
         )
     return [label for label, _ in wrapped]
+
+
+def _needs_of_held(held, model):
+    """The loss scale `held`'s optimizer needs: its holder's (`needs`), and
+    where the holder computes nothing in half but the model does (a layer
+    the head rule keeps float32, as Forward-Forward's last `FFDense` at O1
+    float16), the skip of a non-finite step without a scale (1.0): its
+    gradients are float32, but its inputs come from half layers, and a
+    NaN batch another optimizer skips must not reach this one's weights."""
+    loss_scale = needs(held.holder)
+    if loss_scale is None and held.holder is not model and needs(model) is not None:
+        return 1.0
+    return loss_scale
 
 
 def name_in_logs(held):
