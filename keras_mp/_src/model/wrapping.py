@@ -75,13 +75,7 @@ def wrap_optimizer(
         loss_scale = 1.0  # the wrapper for the master weights only
     dynamic = loss_scale == "dynamic"
     wrapper = wrapper_of(optimizer)
-    if (
-        wrapper is not None
-        and wrapper.dynamic == dynamic
-        and (dynamic or wrapper.initial_scale == float(loss_scale))
-        and wrapper.master_weights == masters
-        and wrapper.shard_optimizer_state == shard_optimizer_state
-    ):
+    if _fits(wrapper, loss_scale, masters, shard_optimizer_state):
         # The same optimizer compiled again (a second `compile` call): its
         # wrapper, with its state, rather than a second one around it.
         return wrapper
@@ -99,6 +93,36 @@ def wrap_optimizer(
         master_weights=masters,
         shard_optimizer_state=shard_optimizer_state,
         name="loss_scale_optimizer",
+    )
+
+
+def _fits(wrapper, loss_scale, masters, shard_optimizer_state):
+    dynamic = loss_scale == "dynamic"
+    return (
+        wrapper is not None
+        and wrapper.dynamic == dynamic
+        and (dynamic or wrapper.initial_scale == float(loss_scale))
+        and wrapper.master_weights == masters
+        and wrapper.shard_optimizer_state == shard_optimizer_state
+    )
+
+
+def wrapped_otherwise(
+    optimizer, loss_scale, half_variables, master_weights, shard_optimizer_state=False
+):
+    """Whether `optimizer` is the inner optimizer of a live LossScaleOptimizer
+    that `wrap_optimizer` (same arguments) would not return: a wrapper of
+    other settings (which refuses to wrap it a second time), or none."""
+    if isinstance(optimizer, keras.optimizers.LossScaleOptimizer):
+        return False
+    wrapper = wrapper_of(optimizer)
+    if wrapper is None:
+        return False
+    masters = True if master_weights is None else master_weights
+    if loss_scale is None and not (half_variables and masters) and not shard_optimizer_state:
+        return True  # bare now
+    return not _fits(
+        wrapper, 1.0 if loss_scale is None else loss_scale, masters, shard_optimizer_state
     )
 
 
