@@ -77,9 +77,14 @@ def test_compiling_twice_with_one_optimizer_keeps_its_wrapper():
     wrapper = model.optimizer
     model.compile(optimizer=adam, loss="mse", amp_level="O2")
     assert model.optimizer is wrapper and wrapper.inner_optimizer is adam
-    # A different loss scale for the same optimizer is a second wrapper: refused.
-    with pytest.raises(ValueError, match="already wrapped"):
+    # A different loss scale for the same optimizer is another wrapper, which
+    # may not step `adam` beside the first: a new Adam of the same settings
+    # takes its place, and keras_mp says so.
+    with pytest.warns(UserWarning, match="a new Adam of the same settings"):
         model.compile(optimizer=adam, loss="mse", amp_level="O2", loss_scale=128.0)
+    assert model.optimizer.initial_scale == 128.0 and not model.optimizer.dynamic
+    assert model.optimizer.inner_optimizer is not adam
+    assert model.optimizer.inner_optimizer.get_config() == adam.get_config()
 
 
 # -- Keras's own LossScaleOptimizer under amp_level -----------------------------

@@ -133,3 +133,28 @@ def test_an_fp8_checkpoint_loaded_before_compile_names_the_order_that_works(tmp_
     resumed.compile(optimizer="adam", loss="mse", amp_level="O2", amp_dtype="float8")
     resumed.load_weights(path)
     np.testing.assert_array_equal(resumed.predict(x, verbose=0), trained.predict(x, verbose=0))
+
+
+@pytest.mark.skipif(
+    keras.backend.backend() != "jax", reason="JAX's own: elsewhere assign writes in place"
+)
+@pytest.mark.parametrize("level, dtype", [("O2", "float16"), ("O3", "bfloat16")])
+def test_a_second_fit_with_ema_runs(level, dtype):
+    """`use_ema=True`: `fit` ends by assigning each weight its moving average
+    (O3: each float32 copy), and on JAX both then held one array; the next
+    `fit` donates the state and failed ("Attempt to donate the same buffer
+    twice"), as it does under Keras's own policies. Now it trains on."""
+    x, y = _data()
+    model = keras.Sequential([keras.Input((8,)), keras.layers.Dense(2, activation="softmax")])
+    model.compile(
+        optimizer=keras.optimizers.Adam(1e-2, use_ema=True),
+        loss="sparse_categorical_crossentropy",
+        amp_level=level,
+        amp_dtype=dtype,
+    )
+    model.fit(x, y, batch_size=48, verbose=0)
+    averaged = [_numpy(w) for w in model.trainable_variables]
+    history = model.fit(x, y, batch_size=48, verbose=0)
+    assert np.isfinite(history.history["loss"][0])
+    after = [_numpy(w) for w in model.trainable_variables]
+    assert all(not np.array_equal(a, b) for a, b in zip(averaged, after))

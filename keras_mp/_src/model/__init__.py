@@ -1,6 +1,7 @@
 """Keras's `Model`, extended: `compile(amp_level=...)` and everything it
 installs (`compile`, `model_hooks`), the optimizers a model holds
-(`wrapping`), the train step's telemetry and guards (`train_step`), the
+(`wrapping`), a built optimizer compiled again at another level
+(`recompiled`), the train step's telemetry and guards (`train_step`), the
 callbacks (`callbacks`), each layer's precision saved with the model
 (`saved_precision`), and half weights a step assigns that no optimizer
 trains (`assigned_half`).

@@ -17,11 +17,13 @@ import keras
 from keras_mp._src import backends
 from keras_mp._src import keras_internals
 from keras_mp._src.model import model_hooks
+from keras_mp._src.model import recompiled
 from keras_mp._src.model import saved_precision
 from keras_mp._src.model.train_step import guard_train_step
 from keras_mp._src.model.wrapping import leave_bare
 from keras_mp._src.model.wrapping import needs
 from keras_mp._src.model.wrapping import wrap_optimizer
+from keras_mp._src.model.wrapping import wrapped_otherwise
 from keras_mp._src.optimizer.inner_optimizer import clip_in_float32
 from keras_mp._src.optimizer.loss_scale_optimizer import LossScaleOptimizer
 from keras_mp._src.precision import amp_settings
@@ -110,14 +112,21 @@ def _compile_with_amp(
     arguments.pop("self")
     # The loss tells the head rule what the outputs hold (`output_losses.py`).
     amp = dataclasses.replace(amp, loss=arguments.get("loss"))
+    given = keras.optimizers.get(arguments["optimizer"])
+    before = recompiled.kept(given)  # a built optimizer, before any recast
     policies.apply(self, amp)
     saved_precision.restore_saved(self)
-    optimizer = wrap_optimizer(
-        keras.optimizers.get(arguments["optimizer"]),
-        amp.loss_scale,
+    settings = dict(
+        loss_scale=amp.loss_scale,
         half_variables=amp.half_variables,
         master_weights=amp.master_weights,
         shard_optimizer_state=amp.shard_optimizer_state,
+    )
+    optimizer = recompiled.compiled_optimizer(
+        given,
+        before,
+        functools.partial(wrap_optimizer, **settings),
+        wrapped_otherwise(given, **settings),
     )
     clip_in_float32(getattr(optimizer, "inner_optimizer", optimizer))
     # `loss_scale=None` (O1/O2 in bfloat16) leaves it bare on purpose.

@@ -3,6 +3,7 @@ whose precision it set (`policies.is_amp_model`); other models get Keras's own.
 
 - `fit`, `train_on_batch` and `load_weights` first wrap every bare optimizer
   the model holds (`wrapping.wrap_model_optimizers`).
+- Around `fit`, no two of its variables share one value (JAX, `use_ema=True`).
 - A layer's half `add_loss`/regularization losses are summed in floatx.
 
 Installed by `compile.install`.
@@ -15,6 +16,7 @@ import keras
 
 from keras_mp._src import keras_internals
 from keras_mp._src.model.train_step import guard_train_step
+from keras_mp._src.model.wrapping import find_optimizers
 from keras_mp._src.model.wrapping import wrap_model_optimizers
 from keras_mp._src.precision.policies import is_amp_model
 
@@ -57,10 +59,42 @@ def _with_optimizers_prepared(method):
             if not had_own and method.__name__ in self.__dict__:
                 # Through the model's own `fit` now (the logs' telemetry).
                 return getattr(self, method.__name__)(*args, **kwargs)
-        return method(self, *args, **kwargs)
+        if not is_amp_model(self) or method.__name__ != "fit":
+            return method(self, *args, **kwargs)
+        _own_buffers(self)
+        try:
+            return method(self, *args, **kwargs)
+        finally:
+            _own_buffers(self)
 
     prepared._keras_mp_prepared = True
     return prepared
+
+
+def _own_buffers(model):
+    """Gives each of the model's and its optimizers' variables a value of its
+    own, before and after `fit`.
+
+    `fit` ends with `finalize_variable_values`, which with `use_ema=True`
+    assigns each weight its moving average: on JAX the weight and the
+    average then hold the same array, and the next `fit` (or a `jax.jit`
+    loop) that donates the state fails ("Attempt to donate the same buffer
+    twice"), under Keras's own policies too. A shared value is copied; on
+    TensorFlow and PyTorch every variable holds its own buffer already.
+    """
+    variables = list(model.variables) + list(model.metrics_variables)
+    for held in find_optimizers(model):
+        variables += held.optimizer.variables
+        inner = getattr(held.optimizer, "inner_optimizer", None)
+        variables += inner.variables if inner is not None else []
+    if not keras_internals.hold_values(variables):  # a JAX `fit` that failed
+        return
+    values = {}  # id -> value, each kept alive while ids are compared
+    for variable in {id(v): v for v in variables}.values():
+        value = variable.value
+        if id(value) in values:
+            variable.assign(keras.ops.copy(value))
+        values[id(value)] = value
 
 
 # Keras's float8 Dense and EinsumDense hold 6 variables beside their kernel

@@ -75,13 +75,7 @@ def wrap_optimizer(
         loss_scale = 1.0  # the wrapper for the master weights only
     dynamic = loss_scale == "dynamic"
     wrapper = wrapper_of(optimizer)
-    if (
-        wrapper is not None
-        and wrapper.dynamic == dynamic
-        and (dynamic or wrapper.initial_scale == float(loss_scale))
-        and wrapper.master_weights == masters
-        and wrapper.shard_optimizer_state == shard_optimizer_state
-    ):
+    if _fits(wrapper, loss_scale, masters, shard_optimizer_state):
         # The same optimizer compiled again (a second `compile` call): its
         # wrapper, with its state, rather than a second one around it.
         return wrapper
@@ -99,6 +93,36 @@ def wrap_optimizer(
         master_weights=masters,
         shard_optimizer_state=shard_optimizer_state,
         name="loss_scale_optimizer",
+    )
+
+
+def _fits(wrapper, loss_scale, masters, shard_optimizer_state):
+    dynamic = loss_scale == "dynamic"
+    return (
+        wrapper is not None
+        and wrapper.dynamic == dynamic
+        and (dynamic or wrapper.initial_scale == float(loss_scale))
+        and wrapper.master_weights == masters
+        and wrapper.shard_optimizer_state == shard_optimizer_state
+    )
+
+
+def wrapped_otherwise(
+    optimizer, loss_scale, half_variables, master_weights, shard_optimizer_state=False
+):
+    """Whether `optimizer` is the inner optimizer of a live LossScaleOptimizer
+    that `wrap_optimizer` (same arguments) would not return: a wrapper of
+    other settings (which refuses to wrap it a second time), or none."""
+    if isinstance(optimizer, keras.optimizers.LossScaleOptimizer):
+        return False
+    wrapper = wrapper_of(optimizer)
+    if wrapper is None:
+        return False
+    masters = True if master_weights is None else master_weights
+    if loss_scale is None and not (half_variables and masters) and not shard_optimizer_state:
+        return True  # bare now
+    return not _fits(
+        wrapper, 1.0 if loss_scale is None else loss_scale, masters, shard_optimizer_state
     )
 
 
@@ -249,7 +273,8 @@ def wrap_model_optimizers(model):
     """Wraps each bare optimizer `model` holds in what its precision needs.
 
     An optimizer held by a layer or a nested model gets what that layer's
-    own policies need. Returns the labels of those it wrapped now (and says
+    own policies need (the skip alone where it computes all in float32
+    inside a half model). Returns the labels of those it wrapped now (and says
     so, once per model). An optimizer already built (it has trained) is left
     as it is, with a warning: its slots belong to the variables it was built
     on; a nested model's own compiled optimizer that has trained (a
@@ -267,7 +292,7 @@ def wrap_model_optimizers(model):
         return []
     wrapped = []
     for held in bare:
-        loss_scale = needs(held.holder)
+        loss_scale = _needs_of_held(held, model)
         if loss_scale is None:
             continue
         optimizer = held.optimizer
@@ -295,6 +320,19 @@ def wrap_model_optimizers(model):
             + " in keras_mp.LossScaleOptimizer, as the model's precision needs."
         )
     return [label for label, _ in wrapped]
+
+
+def _needs_of_held(held, model):
+    """The loss scale `held`'s optimizer needs: its holder's (`needs`), and
+    where the holder computes nothing in half but the model does (a layer
+    the head rule keeps float32, as Forward-Forward's last `FFDense` at O1
+    float16), the skip of a non-finite step without a scale (1.0): its
+    gradients are float32, but its inputs come from half layers, and a
+    NaN batch another optimizer skips must not reach this one's weights."""
+    loss_scale = needs(held.holder)
+    if loss_scale is None and held.holder is not model and needs(model) is not None:
+        return 1.0
+    return loss_scale
 
 
 def name_in_logs(held):
