@@ -140,6 +140,26 @@ def call_in_training():
     return bool(getattr(context, "training", None))
 
 
+# Keras's probability operations, as a functional graph holds them
+# (`ops.softmax`, `ops.log_softmax`, `ops.sigmoid`, and `keras.activations.*`
+# on a Keras tensor), by the name of the function that makes them.
+PROBABILITY_OPERATIONS = {
+    "softmax": _need("keras.src.ops.nn", "Softmax"),
+    "log_softmax": _need("keras.src.ops.nn", "LogSoftmax"),
+    "sigmoid": _need("keras.src.ops.nn", "Sigmoid"),
+}
+# The backend's module of those functions: every Keras road to them (`ops`,
+# `activations`, a graph's operations, the layers) calls them through it.
+backend_nn = _need("keras.src", "backend").nn
+
+
+def layer_scopes():
+    """How many layers' name scopes are open (Keras's name-scope stack, this
+    thread): each layer's `__call__` opens its own around its `call`."""
+    stack = _global_state.get_global_attribute("name_scope_stack") or ()
+    return sum(isinstance(getattr(s, "caller", None), keras.layers.Layer) for s in stack)
+
+
 def children(layer):
     """The layers `layer` tracks directly (its sublayers, one level down)."""
     return list(layer._flatten_layers(include_self=False, recursive=False))

@@ -100,6 +100,7 @@ def restore_precision(model, record):
     probabilities.set_probabilities(layers)
     for layer, entry in zip(layers, record):
         boundaries.set_boundary_casts(layer, *(entry.get("casts") or (None, None)))
+    boundaries.set_probability_ops(model)
     mark_policies(layers, policies.needs_keras_mp)
     policies.mark_amp_model(model)
     policies.set_layer_lists(

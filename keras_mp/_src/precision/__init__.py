@@ -4,7 +4,7 @@ The levels (`levels`, `amp_settings`, `auto_level`), the rules as a table
 (`layer_kinds`, `rules`), walks of the layer tree (`layer_tree`), the
 layer names in `allow`/`deny` checked against the model (`named_layers`), setting
 the policies (`policies`), the casts at layers' boundaries (`boundaries`,
-`handoff`, `probabilities`),
+`handoff`, `probabilities`, `probability_ops`),
 configs that rebuild in the precision set (`loadable_config`), a layer of
 the user's that cannot compute in half (`fallback`), initializers without
 half kernels (`half_initializers`).

@@ -19,6 +19,7 @@ from keras_mp._src import keras_internals
 from keras_mp._src.precision import handoff
 from keras_mp._src.precision import layer_tree
 from keras_mp._src.precision import probabilities
+from keras_mp._src.precision import probability_ops
 from keras_mp._src.precision import recomputed
 from keras_mp._src.precision.probabilities import computes_in_float32
 
@@ -130,6 +131,11 @@ def _with_boundary_casts(layer, call):
             target = outside
         if target is None:
             target = handoff.handed_dtype(layer)
+        run = call
+        if probability_ops.in_users_code(layer):
+            # Your code's softmax in float32; returned as it is, in float32
+            # where this layer's outputs leave in float32.
+            run = probability_ops.own_call(call, target == "float32")
         if (
             target in _HALF
             and args
@@ -138,11 +144,11 @@ def _with_boundary_casts(layer, call):
         ):
             # A float32 probability handed to a half consumer: its backward
             # pass keeps the half output.
-            return probabilities.kept_in_half(layer, call, target, args, kwargs)
+            return probabilities.kept_in_half(layer, run, target, args, kwargs)
         if entry is not None and model:
             _MODEL_CALLS.depth = getattr(_MODEL_CALLS, "depth", 0) + 1
             try:
-                outputs = call(*args, **kwargs)
+                outputs = run(*args, **kwargs)
             finally:
                 _MODEL_CALLS.depth -= 1
         elif floats:
@@ -150,11 +156,11 @@ def _with_boundary_casts(layer, call):
             # its weights read in its compute dtype too, where its inputs
             # are floats (a lookup of token ids reads the table as it is).
             with keras_internals.AutocastScope(entry):
-                outputs = call(*args, **kwargs)
+                outputs = run(*args, **kwargs)
         elif recomputed.is_on(layer):
-            outputs = recomputed.call(layer, call, args, kwargs)
+            outputs = recomputed.call(layer, run, args, kwargs)
         else:
-            outputs = call(*args, **kwargs)
+            outputs = run(*args, **kwargs)
         if target is None:
             return outputs
         return keras.tree.map_structure(lambda x: _cast_half_or_float32(x, target), outputs)
@@ -309,7 +315,23 @@ def set_boundaries(model, outputs=None, entry_dtype=None):
                 handoff.record(layer, parent, *handed)
                 _set_half_kept(layer, handed[0])
                 returns.append((layer, handed[0], parent))
+    set_probability_ops(model)
     return returns
+
+
+def set_probability_ops(model):
+    """Keras's probability ops in float32 in `model`'s graphs and in its
+    users' layers computing in half (`probability_ops.py`), whose `call`
+    then runs in its frame."""
+    for layer in probability_ops.set_probability_ops(model, _own_dtype):
+        _install(layer)
+
+
+def _own_dtype(layer):
+    """The dtype a layer's own `call` computes in: its inputs' inside a
+    subclassed model (whose policy is float32), else its compute dtype."""
+    entry = getattr(layer, _ENTRY_DTYPE_ATTRIBUTE, None)
+    return entry if entry is not None else layer.compute_dtype
 
 
 def _set_output_casts(layer):

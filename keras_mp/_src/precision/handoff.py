@@ -118,7 +118,14 @@ def half_for_consumers(layer, consumers, outputs):
     # count): the hand-off holds in that run only.
     if layer_tree.is_container(layer) or isinstance(layer, DATA_MOVEMENT):
         return None
-    found, taking, stack, seen = set(), [], [layer], set()
+    return half_consumers_of(layer, consumers, outputs)
+
+
+def half_consumers_of(operation, consumers, outputs):
+    """`half_for_consumers` of any operation of a functional model (a
+    float32 layer, or one of Keras's operations computing in float32:
+    `probability_ops.py`), as far as its consumers go."""
+    found, taking, stack, seen = set(), [], [operation], set()
     while stack:
         op = stack.pop()
         if any(op is o for o in outputs) or id(op) in seen:

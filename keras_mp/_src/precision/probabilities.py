@@ -89,7 +89,6 @@ def _gradient(layer):
     """`(y, upstream) -> dx` of a layer that is nothing but a softmax, in
     float32 from its output `y`; None for any other layer (a log_softmax's
     half output would lose its small probabilities' digits)."""
-    ops = keras.ops
     # The layer's own `call`, not a subclass's (a temperature's `x / T`
     # first: another gradient).
     if type(layer).call is keras.layers.Softmax.call:
@@ -104,12 +103,19 @@ def _gradient(layer):
         axis = -1
     else:
         return None
+    return softmax_gradient(axis)
 
-    def softmax_gradient(y, g):
+
+def softmax_gradient(axis):
+    """`(y, upstream) -> dx` of a softmax over `axis` (an int or a tuple), in
+    float32 from its output `y`."""
+    ops = keras.ops
+
+    def gradient(y, g):
         return y * (g - ops.sum(g * y, axis=axis, keepdims=True))
 
-    softmax_gradient.axis = axis  # for a backend's own form of the same numbers
-    return softmax_gradient
+    gradient.axis = axis  # for a backend's own form of the same numbers
+    return gradient
 
 
 def keeps_half(layer):

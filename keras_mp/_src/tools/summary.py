@@ -4,9 +4,11 @@ import dataclasses
 
 import keras
 
+from keras_mp._src import keras_internals
 from keras_mp._src.model import wrapping
 from keras_mp._src.precision import fallback
 from keras_mp._src.precision import layer_tree
+from keras_mp._src.precision import probability_ops
 from keras_mp._src.precision.policies import auto_choice
 from keras_mp._src.precision.policies import check_model
 from keras_mp._src.precision.policies import rule_of
@@ -36,13 +38,14 @@ def precision_summary(model, print_fn=None):
     """
     check_model(model)
     rows = []
-    for layer in layer_tree.layers_in_order(model):
+    layers = layer_tree.layers_in_order(model)
+    for layer in layers:
         policy = layer.dtype_policy
         rule = rule_of(layer)
         fell_back = fallback.fell_back(layer)
         rows.append(
             {
-                "layer": layer.path if getattr(layer, "path", None) else layer.name,
+                "layer": _path(layer),
                 "class": type(layer).__name__,
                 "compute_dtype": "float32" if fell_back else policy.compute_dtype,
                 "variable_dtype": policy.variable_dtype,
@@ -50,10 +53,14 @@ def precision_summary(model, print_fn=None):
                 "rule": f"{rule}; {fell_back}" if fell_back else rule,
             }
         )
+    _add_operation_rows(rows, layers)
     columns = ("layer", "class", "compute_dtype", "variable_dtype", "rule")
     headers = ("Layer", "Class", "Compute", "Variables", "Rule")
     cells = [[str(r[c]) for c in columns] for r in rows]
     lines = table.render(headers, cells, width=None)
+    users = [_path(layer) for layer in layers if probability_ops.in_users_code(layer)]
+    if users:
+        lines += ["", f"{probability_ops.USERS_CODE_NOTE}: {', '.join(users)}."]
     if any(r["policy"].startswith("float8_from_") for r in rows):
         from keras_mp._src.precision.auto_level import float8_gemms_absent
 
@@ -74,6 +81,47 @@ def precision_summary(model, print_fn=None):
     if print_fn is not None:
         print_fn(summary.text)
     return summary
+
+
+def _path(layer):
+    return layer.path if getattr(layer, "path", None) else layer.name
+
+
+def _add_operation_rows(rows, layers):
+    """A row for each probability operation of a functional graph that
+    computes in float32 (`keras.ops.softmax(x)`: no layer), after the rows
+    of what it takes in."""
+    at = {id(layer): i for i, layer in enumerate(layers)}
+    last = {}  # a layer's row -> the last row of the layers inside it
+    for layer in reversed(layers):
+        last[id(layer)] = max(
+            [at[id(layer)]]
+            + [last[id(c)] for c in keras_internals.children(layer) if id(c) in last]
+        )
+    inserted = []  # (after row, row), in the order found
+    for graph in layers:
+        if not isinstance(graph, keras_internals.Functional):
+            continue
+        found = {}  # an operation that is no layer -> the row it comes after
+        for op, parents in keras_internals.operations_from_inputs(graph):
+            after = [last[id(p)] for p in parents if id(p) in last]
+            after += [found[id(p)] for p in parents if id(p) in found]
+            found[id(op)] = max(after, default=at[id(graph)])
+        for op, name, _ in probability_ops.operations(graph):
+            if not probability_ops.computed_in_float32(op):
+                continue
+            row = {
+                "layer": f"{_path(graph)}/{op.name}",
+                "class": f"ops.{name}",
+                "compute_dtype": "float32",
+                "variable_dtype": "",
+                "policy": "",
+                "rule": probability_ops.rule_of_operation(op, name, graph),
+            }
+            inserted.append((found[id(op)], len(inserted), row))
+    # From the last: each insertion leaves the rows before it where they are.
+    for after, _, row in sorted(inserted, key=lambda item: item[:2], reverse=True):
+        rows.insert(after + 1, row)
 
 
 def _optimizer_rows(model):
