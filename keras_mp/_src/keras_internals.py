@@ -216,7 +216,8 @@ def symbolic_calls(layer):
     }
 
     def consumed(operation):
-        return len(operation._outbound_nodes) > counts.get(id(operation), (0, 0, 0))[2]
+        outbound = getattr(operation, "_outbound_nodes", ())  # not an operation: an input
+        return len(outbound) > counts.get(id(operation), (0, 0, 0))[2]
 
     stack = _global_state.get_global_attribute("name_scope_stack")
     depth = len(stack) if stack else 0
