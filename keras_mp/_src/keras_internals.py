@@ -13,6 +13,7 @@ surface of `keras.optimizers.Optimizer`, and stay with the code that
 overrides them (`compensated.py`, `loss_scale_optimizer.py`).
 """
 
+import contextlib
 import importlib
 
 import keras
@@ -181,12 +182,6 @@ def output_operations(model):
     ]
 
 
-def output_structure(model):
-    """A functional model's outputs as it was given them (a dict keeps its
-    keys), or None for a model that has none known."""
-    return getattr(model, "_outputs_struct", None)
-
-
 def consumed_operations(model):
     """Ids of a functional model's operations whose outputs another of its
     operations takes in (an intermediate output of a feature extractor)."""
@@ -196,6 +191,66 @@ def consumed_operations(model):
             for parent in node.parent_nodes:
                 consumed.add(id(parent.operation))
     return consumed
+
+
+def graph_outputs(model):
+    """A Sequential or functional model's output KerasTensors as its call
+    returns them (a dict keeps its keys, a list of one is its tensor), or
+    None (a Sequential never built on an input has no graph)."""
+    if isinstance(model, keras.Sequential):
+        model = getattr(model, "_functional", None)
+    outputs = getattr(model, "_outputs_struct", None)
+    single = isinstance(outputs, (list, tuple)) and len(outputs) == 1
+    return outputs[0] if single else outputs  # as Keras's `unpack_singleton`
+
+
+def made_by(tensor):
+    """`(operation, output index, inputs, (args, kwargs))` of the call that
+    made a KerasTensor, or None (a graph's input)."""
+    history = getattr(tensor, "_keras_history", None)
+    if history is None or history.operation is None:
+        return None
+    node = history.operation._inbound_nodes[history.node_index]
+    call = (tuple(node.arguments.args), node.arguments.kwargs)
+    return history.operation, history.tensor_index, node.input_tensors, call
+
+
+def build_shapes(layer):
+    """The shapes a layer was built on, by the names of `build`'s arguments."""
+    return dict(getattr(layer, "_build_shapes_dict", None) or {})
+
+
+@contextlib.contextmanager
+def symbolic_calls(layer):
+    """A scope for calling `layer`'s `call` on KerasTensors: each layer and
+    Keras operation called inside records a node (`made_by` reads them). On
+    exit those recorded on `layer` and the layers in it are removed: the
+    functional API reads them (`layer.output`, a graph's node indices).
+    Yields `consumed(operation)`: whether a call inside took in its outputs.
+    Outside any name scope, it opens one of its own, as `compute_output_spec`
+    does; inside a model's (its build), a layer it builds is named as the
+    model's own call would name it."""
+    counts = {
+        id(each): (each, len(each._inbound_nodes), len(each._outbound_nodes))
+        for each in all_layers(layer)
+    }
+
+    def consumed(operation):
+        outbound = getattr(operation, "_outbound_nodes", ())  # not an operation: an input
+        return len(outbound) > counts.get(id(operation), (0, 0, 0))[2]
+
+    stack = _global_state.get_global_attribute("name_scope_stack")
+    depth = len(stack) if stack else 0
+    try:
+        with keras.name_scope("keras_mp_pass") if depth == 0 else contextlib.nullcontext():
+            yield consumed
+    finally:
+        for each, inbound, outbound in counts.values():
+            del each._inbound_nodes[inbound:]
+            del each._outbound_nodes[outbound:]
+        stack = _global_state.get_global_attribute("name_scope_stack")
+        if stack and len(stack) > depth:
+            del stack[depth:]
 
 
 def operations_from_inputs(model):
@@ -243,8 +298,13 @@ def recast(variable, dtype):
     `trainable` of the moment, and keeps it: a weight of a frozen layer
     recast then would stay out of every `GradientTape` once the layer is
     unfrozen (Keras's setter changes only its own flag). The new one takes
-    the flag of the one it replaces, as the weight was created.
+    the flag of the one it replaces, as the weight was created. A variable
+    made in a stateless scope (a model built by `fit`'s symbolic pass) has
+    no value yet: it is made in the new dtype when the scope ends.
     """
+    if variable._value is None and getattr(variable, "_initializer", None) is not None:
+        variable._dtype = dtype
+        return
     value = keras.ops.cast(variable.value, dtype)
     variable._dtype = dtype
     created_trainable = getattr(variable._value, "trainable", None)  # a tf.Variable's

@@ -1,7 +1,6 @@
 """`keras_mp.LossScaleOptimizer`: fixed and dynamic loss scaling."""
 
 import keras
-from keras import ops
 
 from keras_mp._src import backends
 from keras_mp._src import keras_internals
@@ -27,6 +26,7 @@ from keras_mp._src.optimizer.master_weights import COMPENSATED
 from keras_mp._src.optimizer.master_weights import MasterWeights
 from keras_mp._src.optimizer.master_weights import check_master_weights
 from keras_mp._src.optimizer.master_weights import float32_grads_of
+from keras_mp._src.optimizer.scaled_loss import ScaleLoss
 
 _KerasLossScaleOptimizer = keras.optimizers.LossScaleOptimizer
 
@@ -34,6 +34,7 @@ _KerasLossScaleOptimizer = keras.optimizers.LossScaleOptimizer
 @keras.saving.register_keras_serializable(package="keras_mp")
 class LossScaleOptimizer(
     ReadOnlySettings,
+    ScaleLoss,
     stateless.StatelessApply,
     skipped_state.RestoreOnSkipMethod,
     tf_keras_names.TfKeras2Names,
@@ -48,7 +49,9 @@ class LossScaleOptimizer(
     the inner optimizer sees them. A scale that is too large overflows to inf
     instead, so each step is checked, and a step whose gradients are not finite
     is skipped: weights, the inner optimizer's slots and `iterations` stay as
-    they were, bit for bit.
+    they were, bit for bit. So is a step whose loss is not finite
+    (`scale_loss` makes its gradients NaN): an `inf` prediction's finite MAE
+    gradient moves nothing.
 
     One step, as the state machine (the same on every
     backend):
@@ -364,21 +367,3 @@ class LossScaleOptimizer(
     def check_finite(self, grads):
         """Boolean scalar tensor: whether all gradients are finite."""
         return backends.current.all_finite(grads)
-
-    # -- loss scaling and the tf.keras 2 names ----------------------------------
-
-    def scale_loss(self, loss):
-        """Multiplies the loss by the current loss scale.
-
-        Args:
-            loss: the loss tensor.
-
-        Returns:
-            `loss * loss_scale`, in float32 (or wider, if `loss` is wider).
-        """
-        self._loss_ever_scaled = True
-        if self._scaled_this_step is not None:
-            self._scaled_this_step = True
-        unscaled_loss.note_scaled(self)
-        scale, self._scale_is_the_steps = backends.current.read_scale(self.loss_scale)
-        return ops.multiply(loss, scale)

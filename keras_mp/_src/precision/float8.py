@@ -26,7 +26,6 @@ import numpy as np
 from keras_mp._src import keras_internals
 from keras_mp._src.precision import layer_tree
 from keras_mp._src.precision.layer_kinds import ALLOW_LIST
-from keras_mp._src.precision.layer_kinds import bounded_activation
 
 # Keras's float8 layers, by exact class: a subclass's own `call` would be
 # bypassed by Keras's `quantized_call` (and `quantize` refuses subclasses).
@@ -228,7 +227,7 @@ def warn_once_where_nothing_computes_fp8():
     return reason
 
 
-def _weighs_inputs(layer):
+def weighs_inputs(layer):
     """A layer that turns what it takes in into features with weights of
     its own (a matmul, a convolution, an embedding lookup): what comes after
     it is no longer the model's raw input."""
@@ -259,7 +258,7 @@ def first_layers(model):
             first |= inner
             if not inner:
                 raw.add(id(operation))
-        elif _weighs_inputs(operation):
+        elif weighs_inputs(operation):
             first.add(id(operation))
         else:
             raw.add(id(operation))
@@ -274,7 +273,7 @@ def weighted_in_call_order(model):
     held = [
         layer
         for layer in layer_tree.layers_in_order(model)[1:]
-        if not layer_tree.is_container(layer) and _weighs_inputs(layer)
+        if not layer_tree.is_container(layer) and weighs_inputs(layer)
     ]
     shapes = getattr(model, "_build_shapes_dict", None) or {}
     shape = next(iter(shapes.values()), None) if len(shapes) == 1 else None
@@ -286,50 +285,3 @@ def weighted_in_call_order(model):
     ids = {id(layer) for layer in held}
     ran = [layer for layer in order if id(layer) in ids]
     return ran + [layer for layer in held if not any(layer is r for r in ran)]
-
-
-def head_layers(model, outputs):
-    """`{id(layer): (output layer, bounded)}` for the layers that make each
-    of the model's outputs: the output layer and, walking back from it
-    through layers without weights of their own (`Reshape`, `Activation`,
-    pooling), the first layer with weights on each path (looking inside
-    nested models), the head whose matmul makes the output. `bounded`: a
-    bounded activation (softmax, sigmoid, tanh) at or after the layer on
-    its path keeps the output in range. In a subclassed model, the last
-    such layer its `call` runs (`weighted_in_call_order`)."""
-    heads = {}
-
-    def add(layer, output, bounded):
-        bounded = bounded or _bounds_its_outputs(layer)
-        heads[id(layer)] = (output, bounded)
-        return bounded
-
-    for output in outputs:
-        bounded = add(output, output, False)
-        if layer_tree.is_subclassed(output):
-            for layer in weighted_in_call_order(output)[-1:]:
-                add(layer, output, bounded)
-    # Walk back from each output in the model that holds it (a nested
-    # Sequential or functional model's own graph).
-    holder = {id(layer): parent for layer, parent in layer_tree.tree(model)}
-    graphs = {}
-    for output in outputs:
-        parent = holder.get(id(output))
-        if _weighs_inputs(output) or parent is None or not layer_tree.is_graph(parent):
-            continue
-        if id(parent) not in graphs:
-            graphs[id(parent)] = layer_tree.predecessors(parent)
-        before = graphs[id(parent)]
-        stack = [(p, heads[id(output)][1]) for p in before.get(id(output), ())]
-        while stack:
-            layer, bounded = stack.pop()
-            if id(layer) in heads or isinstance(layer, keras.layers.InputLayer):
-                continue
-            bounded = add(layer, output, bounded)
-            if not _weighs_inputs(layer) and not layer_tree.is_container(layer):
-                stack.extend((p, bounded) for p in before.get(id(layer), ()))
-    return heads
-
-
-def _bounds_its_outputs(layer):
-    return bounded_activation(layer) is not None or isinstance(layer, keras.layers.Softmax)

@@ -15,9 +15,6 @@ float32's range, keeps every head in half (`rules.py`).
 
 import keras
 
-from keras_mp._src import keras_internals
-from keras_mp._src.precision import layer_tree
-
 # Losses that read logits or probabilities (or ±1 margins): their output
 # layer's values are bounded by what the loss trains them to be.
 CROSS_ENTROPIES = frozenset(
@@ -48,57 +45,94 @@ def loss_name(loss):
     return getattr(fn or loss, "__name__", None) or type(loss).__name__
 
 
-def keyed_outputs(model, outputs):
-    """`[(key, layer)]`: the layers that make the model's outputs, in the
-    order of `model.outputs` (those other layers also take in included), a
-    dict output's key beside each (None otherwise). `outputs`: the model's
-    output layers as `layer_tree.output_layers` finds them, used where the
-    model's own outputs are not known (a subclassed model)."""
-    structure = keras_internals.output_structure(model)
-    if isinstance(model, keras.Sequential):
-        last = model.layers[-1:]
-        if last and isinstance(last[0], keras.Model):  # a nested model's outputs
-            return keyed_outputs(last[0], layer_tree.output_layers(last[0]))
-        return [(None, layer) for layer in last]
-    if structure is None:
-        return [(None, layer) for layer in outputs]
-    items = structure.items() if isinstance(structure, dict) else [(None, structure)]
-    keyed = []
-    for key, value in items:
-        for tensor in keras.tree.flatten(value):
-            history = getattr(tensor, "_keras_history", None)
-            if history is None:
-                continue
-            layer = history.operation
-            if isinstance(layer, keras.Model):  # a nested model's outputs
-                keyed += [(key, inner) for _, inner in keyed_outputs(layer, ())]
-            elif not isinstance(layer, keras.layers.Layer):  # `ops.squeeze(dense(x))`
-                keyed += [(key, inner) for inner in layer_tree.layers_before(model, layer)]
-            else:
-                keyed.append((key, layer))
-    return keyed
-
-
-def of_outputs(keyed, loss):
-    """`{id(output layer): (loss name, whether it is a cross-entropy)}` for
-    the layers of `keyed` (`keyed_outputs`) whose loss `compile`'s `loss`
-    names: one loss for every output, a list in the model's output order, or
-    a dict by output key (or layer name); outputs without a loss keras_mp can
-    tell are left out."""
-    if loss is None or not keyed:
+def kinds(loss, y_pred, output_names=None):
+    """`{leaf: (loss name, whether a cross-entropy)}` for the leaves of
+    `y_pred` that `compile`'s `loss` reaches, paired as Keras's
+    `CompileLoss.build` pairs them: `y_pred` is the model's outputs as its
+    call returns them, each output a distinct int (a dict's values in its
+    sorted keys' order, as `keras.tree` flattens it); `output_names` the
+    model's (a functional model's output layers' names, None for others).
+    One loss reaches every output; a list is packed into the outputs'
+    structure (a dict's outputs in sorted key order, not insertion order);
+    a dict goes by output key, or by output name where the outputs are not
+    a dict. Where Keras would refuse the pairing, {}. An output several
+    losses reach is given the first that is not a cross-entropy."""
+    found = {}
+    try:
+        _pair(loss, y_pred, output_names, found)
+    except (TypeError, KeyError, ValueError):
         return {}
+    kinds = {}
+    for leaf, given in found.items():
+        named = [_kind(each) for each in given]
+        kinds[leaf] = next((k for k in named if not k[1]), named[0])
+    return kinds
+
+
+def _pair(loss, y_pred, output_names, found):
+    """`CompileLoss.build` (Keras 3.15), with the outputs' leaves for its
+    tensors: what it would raise, it raises."""
+    tree = keras.tree
+    if output_names and isinstance(loss, dict) and not isinstance(y_pred, dict):
+        if set(output_names) != set(loss):
+            raise ValueError(f"loss keys {list(loss)} are not the output names {output_names}")
+        loss = [loss[name] for name in output_names]
+    if isinstance(loss, dict) and isinstance(y_pred, (list, tuple)):
+        if set(loss) == set(output_names) and len(y_pred) == len(output_names):
+            y_pred = dict(zip(output_names, y_pred))
+    elif isinstance(loss, dict) and not tree.is_nested(y_pred):
+        if set(loss) == set(output_names) and len(output_names) == 1:
+            y_pred = {output_names[0]: y_pred}
+    if not tree.is_nested(loss):
+        loss = tree.map_structure(lambda _: loss, y_pred)
+    _pair_nested(loss, y_pred, found, unnamed=output_names is None)
+
+
+def _pair_nested(loss, y_pred, found, unnamed=False):
+    """`CompileLoss._build_nested`: `found[leaf]` gets each loss that
+    reaches it. `unnamed`: at the outputs' root, with no output names."""
+    tree = keras.tree
+    if not tree.is_nested(loss):
+        if loss is None:  # Keras reads `None.loss` here
+            raise TypeError("no loss")
+        if unnamed and isinstance(y_pred, (list, tuple)):  # Keras cannot name this loss
+            raise TypeError("a loss of all the outputs, unnamed")
+        for leaf in tree.flatten(y_pred):
+            found.setdefault(leaf, []).append(loss)
+        return
+    sequence = isinstance(loss, (list, tuple))
+    if (
+        sequence
+        and not any(tree.is_nested(each) for each in loss)
+        and len(loss) == len(tree.flatten(y_pred))
+    ):
+        loss = tree.pack_sequence_as(y_pred, loss)
+    elif sequence and not isinstance(y_pred, type(loss)):
+        for each in loss:  # each loss on all the outputs
+            _pair_nested(each, y_pred, found, unnamed)
+        return
+    if not tree.is_nested(loss):
+        return _pair_nested(loss, y_pred, found, unnamed)
+    if not isinstance(loss, type(y_pred)):
+        raise KeyError("the loss's structure is not the outputs'")
     if isinstance(loss, dict):
-        found = {}
-        for key, layer in keyed:
-            given = loss.get(key) if key in loss else loss.get(layer.name)
-            if given is not None:
-                found[id(layer)] = _kind(given)
-        return found
-    if isinstance(loss, (list, tuple)):
-        if len(loss) != len(keyed):
-            return {}
-        return {id(layer): _kind(v) for (_, layer), v in zip(keyed, loss) if v is not None}
-    return {id(layer): _kind(loss) for _, layer in keyed}
+        items, there = loss.items(), lambda key: key in y_pred
+    elif isinstance(loss, (list, tuple)):
+        items, there = enumerate(loss), lambda key: key < len(y_pred)
+    else:
+        raise TypeError(f"unsupported loss structure {type(loss).__name__}")
+    for key, each in items:
+        if each is None:
+            continue
+        if not there(key):
+            raise KeyError(key)
+        _pair_nested(each, y_pred[key], found)
+
+
+def kind(loss):
+    """A single loss's `(name, whether a cross-entropy)`, or None for
+    several (a list or dict of them) or none."""
+    return None if loss is None or keras.tree.is_nested(loss) else _kind(loss)
 
 
 def _kind(loss):

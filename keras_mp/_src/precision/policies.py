@@ -19,7 +19,7 @@ from keras_mp._src.precision import float8
 from keras_mp._src.precision import layer_kinds
 from keras_mp._src.precision import layer_tree
 from keras_mp._src.precision import named_layers
-from keras_mp._src.precision import output_losses
+from keras_mp._src.precision import output_heads
 from keras_mp._src.precision import probabilities
 from keras_mp._src.precision import rules
 from keras_mp._src.precision.layer_kinds import ALLOW_LIST
@@ -152,47 +152,61 @@ def apply_amp(
     )
 
 
-def apply(model, amp):
-    """`apply_amp` with its settings resolved (`amp_settings.AmpSettings`)."""
+def apply(model, amp, set_before=None):
+    """`apply_amp` with its settings resolved (`amp_settings.AmpSettings`).
+    `set_before`: `{id(layer): (policy name, rule)}` an earlier `apply` set;
+    a layer whose policy or rule changed since was set by hand, and keeps it."""
     named_layers.check_names(model, amp)
     object.__setattr__(model, _AUTO_ATTRIBUTE, amp.auto)
     outputs = layer_tree.output_layers(model)
     entry_dtype = amp.inner_dtype
     if rules.own_arithmetic_in_float32(model, rules.Place(amp, model)):
         entry_dtype = "float32"  # a subclassed model's own `call`, as its layers'
-    decisions = decide_all(model, amp, outputs)
+    heads = output_heads.find(model, _loss(model, amp))
+    decisions = decide_all(model, amp, outputs, heads)
+    by_hand = {id(layer) for layer, _ in decisions if _set_by_hand(layer, set_before)}
+    decisions = [(x, (None, rule_of(x)) if id(x) in by_hand else d) for x, d in decisions]
     set_policies(model, decisions)
     layers = [layer for layer, _ in decisions]
     probabilities.set_probabilities(layers)
-    _annotate_returns(boundaries.set_boundaries(model, outputs, entry_dtype), layers)
+    returns = boundaries.set_boundaries(model, outputs, entry_dtype)
+    _annotate_returns(
+        [r for r in returns if id(r[0]) not in by_hand], [x for x in layers if id(x) not in by_hand]
+    )
     mark_policies(layers, needs_keras_mp)
     if amp.float8 is not None:
         float8.warn_once_where_nothing_computes_fp8()
     mark_amp_model(model)
     set_layer_lists(model, amp.allow, amp.deny)
+    if heads.deferred and not model.built:
+        # Its outputs are known once it is built (`compile`, then `fit`).
+        set_now = {id(layer): (layer.dtype_policy.name, rule_of(layer)) for layer in layers}
+        output_heads.when_built(model, lambda: apply(model, amp, set_now))
     return model
 
 
-def decide_all(model, amp, outputs=None):
+def _set_by_hand(layer, set_before):
+    now = (layer.dtype_policy.name, rule_of(layer))
+    return set_before is not None and set_before.get(id(layer), now) != now
+
+
+def _loss(model, amp):
+    """The loss `compile` was given, or the one a compiled model has."""
+    return amp.loss if amp.loss is not None else getattr(model, "loss", None)
+
+
+def decide_all(model, amp, outputs=None, heads=None):
     """`[(layer, (policy name or None, reason))]` for `model`'s tree under
     `amp`: what `apply` sets, computed without setting it (the speed report
-    asks it of a level the model is not at)."""
+    asks it of a level the model is not at). `heads`: `output_heads.find`'s."""
     if outputs is None:
         outputs = layer_tree.output_layers(model)
+    if heads is None:
+        heads = output_heads.find(model, _loss(model, amp))
     decisions = []
     inside_allowed = set()  # ids of layers inside an allow-listed one (O1)
     inside_denied = set()  # ids of layers inside a nested model named in `deny=`
     first = float8.first_layers(model) if amp.float8 is not None else set()
-    # The loss `compile` was given, or the one a compiled model has.
-    loss = amp.loss if amp.loss is not None else getattr(model, "loss", None)
-    keyed = output_losses.keyed_outputs(model, outputs)
-    losses = output_losses.of_outputs(keyed, loss)
-    # An output other layers also take in (a feature extractor's) is a head
-    # where a loss reads it; the outputs nothing else takes in always are.
-    consumed = keras_internals.consumed_operations(model)
-    heads = float8.head_layers(
-        model, [o for _, o in keyed if id(o) in losses or id(o) not in consumed]
-    )
     allow = ALLOW_LIST + amp.allow
     for layer, parent in layer_tree.tree(model):
         if parent is not None and (
@@ -213,8 +227,8 @@ def decide_all(model, amp, outputs=None):
             inside_allowed=id(layer) in inside_allowed,
             inside_denied=id(layer) in inside_denied,
             first=id(layer) in first,
-            head=heads.get(id(layer), (None, None))[1],
-            loss=losses.get(id(heads.get(id(layer), (None,))[0])),
+            head=heads.head(layer),
+            loss=heads.loss(layer),
         )
         decisions.append((layer, rules.decide(layer, place)))
     return decisions
