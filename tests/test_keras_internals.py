@@ -22,6 +22,8 @@ def test_every_internal_is_there():
         "no_automatic_dependency_tracking",
         "LossFunctionWrapper",
         "get_input_signature",
+        "is_remote_path",
+        "BackupAndRestore",
     ):
         assert getattr(keras_internals, name) is not None, name
     assert keras_internals.aggregate_additional_loss is not None  # Keras 3.15 has it
