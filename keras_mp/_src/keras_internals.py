@@ -316,6 +316,21 @@ def jax_training_state(model):
 backend_numpy = _need("keras.src", "backend").numpy
 
 
+# How Keras rebuilds a model other than from its config: `clone_model` of a
+# Sequential or functional model clones its layers one by one
+# (`config_precision.py` gives the clone the precision of the model).
+cloning = importlib.import_module("keras.src.models.cloning")
+_need("keras.src.models.cloning", "_clone_functional_model")
+_need("keras.src.models.cloning", "_clone_sequential_model")
+CLONES = ("_clone_functional_model", "_clone_sequential_model")
+# The base class of every layer, and the method its `build` ends with (also
+# where `build` is not overridden, at its construction): a rebuilt model is
+# given back the precision its config recorded once it is built.
+Layer = _need("keras.src.layers.layer", "Layer")
+POST_BUILD = "_post_build"
+if not callable(getattr(Layer, POST_BUILD, None)):
+    _need("keras.src.layers.layer", f"Layer.{POST_BUILD}")
+
 # Where Keras writes a `.keras` file, a `.weights.h5` file and
 # BackupAndRestore's files, each in place (`atomic_save.py` has them
 # written beside and renamed).

@@ -2,7 +2,7 @@
 installs (`compile`, `model_hooks`), the optimizers a model holds
 (`wrapping`), the train step's telemetry and guards (`train_step`), the
 callbacks (`callbacks`), each layer's precision saved with the model
-(`saved_precision`), half weights a step assigns that no optimizer
+(`saved_precision`, `config_precision`), half weights a step assigns that no optimizer
 trains (`assigned_half`), and saves that never lose the last good file
 (`atomic_save`).
 
