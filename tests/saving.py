@@ -177,3 +177,104 @@ HOW_SET = {
     "to_float-after-compile": (with_block, to_float_after_compile),
     "subclassed-deny-by-class": (SubclassedWithBlock, dense_denied_by_class),
 }
+
+
+# -- one tiny model per shape, for every road back to a model -------------------
+
+
+@keras.saving.register_keras_serializable(package="keras_mp_tests")
+class AttendingNet(keras.Model):
+    """A subclassed model whose MultiHeadAttention makes its own layers when
+    it is built (its softmax among them), with a softmax head."""
+
+    def __init__(self, **kwargs):
+        super().__init__(**kwargs)
+        self.embed = keras.layers.Dense(8, activation="relu")
+        self.attention = keras.layers.MultiHeadAttention(2, 4)
+        self.head = keras.layers.Dense(3, activation="softmax")
+
+    def call(self, x):
+        h = self.embed(x)
+        return self.head(keras.ops.mean(self.attention(h, h), axis=1))
+
+
+def _sequential():
+    return keras.Sequential(
+        [
+            keras.Input((6,)),
+            keras.layers.Dense(8, activation="relu"),
+            keras.layers.LayerNormalization(),
+            keras.layers.Dense(3, activation="softmax"),
+        ]
+    )
+
+
+def _attention():
+    inputs = keras.Input((4, 8))
+    h = keras.layers.Flatten()(keras.layers.MultiHeadAttention(2, 4)(inputs, inputs))
+    return keras.Model(inputs, keras.layers.Dense(3, activation="softmax")(h))
+
+
+def _gru():
+    inputs = keras.Input((5, 4))
+    return keras.Model(
+        inputs, keras.layers.Dense(3, activation="softmax")(keras.layers.GRU(6)(inputs))
+    )
+
+
+def _subclassed():
+    model = AttendingNet()
+    model(np.zeros((1, 4, 8), "float32"))
+    return model
+
+
+# name: (build, half dtype, input shape). Inputs of a wide range, so that a
+# softmax or a head computed in half rather than float32 shows in the outputs.
+SHAPES = {
+    "sequential_softmax_head": (_sequential, "float16", (6,)),
+    "functional_attention": (_attention, "float16", (4, 8)),
+    "functional_gru_bfloat16": (_gru, "bfloat16", (5, 4)),
+    "subclassed_attention": (_subclassed, "float16", (4, 8)),
+}
+
+
+def shape(name, compiled):
+    """The model of `SHAPES[name]` at O2 (by `compile(amp_level=...)` or by
+    `apply_amp` alone), seeded, and its inputs."""
+    build, dtype, input_shape = SHAPES[name]
+    keras.utils.set_random_seed(0)
+    model = build()
+    if compiled:
+        model.compile("adam", "mse", amp_level="O2", amp_dtype=dtype)
+    else:
+        keras_mp.apply_amp(model, "O2", dtype)
+    x = np.random.default_rng(0).normal(size=(8, *input_shape)).astype("float32") * 4
+    return model, x
+
+
+def precision(model):
+    """Each layer's class, compute and variable dtypes and rule, as
+    `precision_summary` gives them."""
+    return [
+        (r["class"], r["compute_dtype"], r["variable_dtype"], r["rule"])
+        for r in keras_mp.precision_summary(model).rows
+    ]
+
+
+def outputs(model, x):
+    """`model(x)` in NumPy, in the dtype the model returns (a direct call: the
+    precision each layer computes in is the model's, as in `predict`, without
+    compiling a program per rebuilt model)."""
+    return np.asarray(keras.ops.convert_to_numpy(model(x)))
+
+
+def assert_computes_as(rebuilt, model, x, expected=None):
+    """`rebuilt` computes what `model` does on `x` (`expected`, if given), bit
+    for bit and in its dtype, each layer in the same precision for the same
+    reason."""
+    if expected is None:
+        expected = outputs(model, x)
+    got = outputs(rebuilt, x)
+    assert got.dtype == expected.dtype
+    np.testing.assert_array_equal(got, expected)
+    assert precision(rebuilt) == precision(model)

@@ -24,6 +24,10 @@ def test_every_internal_is_there():
         "get_input_signature",
         "PROBABILITY_OPERATIONS",
         "backend_nn",
+        "is_remote_path",
+        "BackupAndRestore",
+        "Layer",
+        "cloning",
     ):
         assert getattr(keras_internals, name) is not None, name
     assert keras_internals.aggregate_additional_loss is not None  # Keras 3.15 has it

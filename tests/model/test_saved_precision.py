@@ -1,15 +1,17 @@
 """Each layer's precision through a `.keras` file (`saved_precision.py`):
 every model kind, a model with its own `compile`, and whatever set the
 precision (a level, `allow=`/`deny=`, `to_float`, `apply_amp`) comes back
-exactly, with its weights, and training resumes exactly."""
+exactly, with its weights, and training resumes exactly; a file of an
+earlier release (the record in its compile config only) too."""
 
+import json
 import warnings
+import zipfile
 
 import keras
 import numpy as np
 import pytest
 
-import keras_mp
 from tests.saving import BATCH
 from tests.saving import HOW_SET
 from tests.saving import assert_same_state
@@ -19,6 +21,7 @@ from tests.saving import data
 from tests.saving import fit
 from tests.saving import numpy
 from tests.saving import policies
+from tests.saving import precision
 from tests.saving import state
 from tests.saving import to_float_after_compile
 from tests.saving import with_block
@@ -135,13 +138,6 @@ def test_a_model_with_its_own_compile_comes_back_with_what_it_can(tmp_path, cls)
         assert skipped_compile and getattr(loaded, "optimizer", None) is None
 
 
-def _precision(model):
-    return [
-        (r["class"], r["compute_dtype"], r["variable_dtype"], r["rule"])
-        for r in keras_mp.precision_summary(model).rows
-    ]
-
-
 @pytest.mark.parametrize("how", list(HOW_SET))
 def test_the_precision_you_set_comes_back_exactly(tmp_path, how):
     """Whatever set each layer's precision (a level, `allow=`/`deny=`, a
@@ -157,7 +153,7 @@ def test_the_precision_you_set_comes_back_exactly(tmp_path, how):
     model.save(path)
     loaded = keras.models.load_model(path)
 
-    assert _precision(loaded) == _precision(model)
+    assert precision(loaded) == precision(model)
     assert [v.dtype for v in loaded.weights] == [v.dtype for v in model.weights]
     assert_same_state(state(loaded), state(model))
     np.testing.assert_array_equal(loaded.predict(x, verbose=0), model.predict(x, verbose=0))
@@ -167,7 +163,7 @@ def test_the_precision_you_set_comes_back_exactly(tmp_path, how):
     # A later compile at a level keeps what `allow=`/`deny=` chose.
     if how == "subclassed-deny-by-class":
         loaded.compile("adam", "sparse_categorical_crossentropy", amp_level="O2")
-        assert {r[1] for r in _precision(loaded) if r[0] == "Dense"} == {"float32"}
+        assert {r[1] for r in precision(loaded) if r[0] == "Dense"} == {"float32"}
 
 
 def test_saved_precision_for_another_model_is_not_applied():
@@ -181,3 +177,57 @@ def test_saved_precision_for_another_model_is_not_applied():
         other.compile_from_config(model.get_compile_config())
     assert other.get_layer("hidden").dtype_policy.name == "mixed_float16"
     assert other.get_compile_config()["amp_level"] == "O2"
+
+
+def _as_earlier_releases_wrote(path):
+    """Rewrites a `.keras` file as releases before the record in the model's
+    own config wrote it: each model's `dtype` its policy's name (none in a
+    functional model's config), the record in the compile config only."""
+
+    def strip(config):
+        if isinstance(config, list):
+            return [strip(c) for c in config]
+        if not isinstance(config, dict):
+            return config
+        dtype = config.get("dtype")
+        if isinstance(dtype, dict) and "layers" in (dtype.get("config") or {}):
+            config = dict(config)
+            if "input_layers" in config:
+                del config["dtype"]
+            else:
+                name = dtype["config"]["name"]
+                config["dtype"] = {
+                    "module": "keras",
+                    "class_name": "DTypePolicy",
+                    "config": {"name": name},
+                    "registered_name": None,
+                }
+        return {k: strip(v) for k, v in config.items()}
+
+    with zipfile.ZipFile(path) as archive:
+        files = {name: archive.read(name) for name in archive.namelist()}
+    files["config.json"] = json.dumps(strip(json.loads(files["config.json"]))).encode()
+    with zipfile.ZipFile(path, "w") as archive:
+        for name, content in files.items():
+            archive.writestr(name, content)
+
+
+@pytest.mark.parametrize("how", ["to_float-after-compile", "subclassed-deny-by-class"])
+def test_a_file_of_an_earlier_release_still_loads_exactly(tmp_path, how):
+    """Its compile config alone gives each layer back its precision, with
+    `compile=False` too."""
+    build, set_precision = HOW_SET[how]
+    model = build()
+    set_precision(model)
+    x, _ = data()
+    x = np.nan_to_num(x)
+    model(x[:1])
+    path = str(tmp_path / "model.keras")
+    model.save(path)
+    _as_earlier_releases_wrote(path)
+    with zipfile.ZipFile(path) as archive:
+        assert b'"layers": [{"class"' not in archive.read("config.json")
+    for compile in (True, False):
+        loaded = keras.models.load_model(path, compile=compile)
+        assert precision(loaded) == precision(model)
+        np.testing.assert_array_equal(loaded.predict(x, verbose=0), model.predict(x, verbose=0))

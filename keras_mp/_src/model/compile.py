@@ -16,6 +16,8 @@ import keras
 
 from keras_mp._src import backends
 from keras_mp._src import keras_internals
+from keras_mp._src.model import atomic_save
+from keras_mp._src.model import config_precision
 from keras_mp._src.model import model_hooks
 from keras_mp._src.model import recompiled
 from keras_mp._src.model import saved_precision
@@ -200,7 +202,9 @@ def _check_distribution(model):
 def install():
     """Adds the amp keywords to `keras.Model.compile` (idempotent), saves and
     restores each layer's precision with the compile config
-    (`saved_precision.py`), and installs `model_hooks.py`."""
+    (`saved_precision.py`) and with the model's own config
+    (`config_precision.py`), and installs `model_hooks.py` and
+    `atomic_save.py`."""
     if Trainer.compile is not _compile_with_amp:
         # On Trainer itself, so Keras still sees `compile` as not overridden
         # and `load_model` recompiles saved models (with their amp settings).
@@ -215,5 +219,7 @@ def install():
     saving_lib = keras_internals.saving_lib
     if saving_lib._model_from_config is not saved_precision.model_from_config_with_precision:
         saving_lib._model_from_config = saved_precision.model_from_config_with_precision
+    config_precision.install()
     model_hooks.install()
+    atomic_save.install()
     half_initializers.install()

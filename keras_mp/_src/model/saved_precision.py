@@ -4,8 +4,10 @@
 casts in the compile config (`AMP_LAYERS`), so that a `.keras` file, a
 `load_model` and a `compile_from_config` give back the precision keras_mp
 set (the level, `allow`/`deny`, a later `to_float`), also for models whose
-`compile` is their own (KerasHub's tasks). The Keras `Trainer` methods
-extended here are installed by `compile.install`.
+`compile` is their own (KerasHub's tasks). The same record rides in the
+model's own config too (`config_precision.py`), for the roads that do not
+compile the model; files of earlier releases carry it here only. The Keras
+`Trainer` methods extended here are installed by `compile.install`.
 """
 
 import functools
@@ -44,11 +46,13 @@ keras_get_compile_config = Trainer.get_compile_config
 
 
 def precision_record(model):
-    """Each layer's precision as keras_mp set it, for the compile config.
+    """Each layer's precision as keras_mp set it, for the compile config and
+    the model's own (`config_precision.py`).
 
     One entry per layer of `layers_in_order(model)`: its class name, policy,
-    rule, boundary casts, and whether the latest `apply_amp`'s `allow` or
-    `deny` matched it. `restore_precision` gives a loaded model these back
+    rule, boundary casts (and the dtype it returns outside its subclassed
+    model's `call`), and whether the latest `apply_amp`'s `allow` or `deny`
+    matched it. `restore_precision` gives a loaded model these back
     by position (layer names are no key: those Keras's counters made differ
     in the process that loads the model), whatever set them: the level,
     `allow`/`deny`, or a `to_float` after `compile`.
@@ -66,6 +70,9 @@ def precision_record(model):
         casts = boundaries.casts_of(layer)
         if casts is not None:
             entry["casts"] = list(casts)
+        outside = boundaries.outside_dtype_of(layer)
+        if outside is not None:
+            entry["outside"] = outside
         if matches(layer, allow):
             entry["allow"] = True
         if matches(layer, deny):
@@ -100,6 +107,7 @@ def restore_precision(model, record):
     probabilities.set_probabilities(layers)
     for layer, entry in zip(layers, record):
         boundaries.set_boundary_casts(layer, *(entry.get("casts") or (None, None)))
+        boundaries.set_outside_dtype(layer, entry.get("outside"))
     boundaries.set_probability_ops(model)
     mark_policies(layers, policies.needs_keras_mp)
     policies.mark_amp_model(model)

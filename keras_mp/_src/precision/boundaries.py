@@ -45,6 +45,16 @@ def casts_of(layer):
     return (getattr(layer, _ENTRY_DTYPE_ATTRIBUTE), getattr(layer, _OUTPUT_DTYPE_ATTRIBUTE))
 
 
+def outside_dtype_of(layer):
+    """The dtype a layer held by a subclassed model returns when called from
+    outside that model's `call` (its `train_step`), or None."""
+    return getattr(layer, _OUTSIDE_DTYPE_ATTRIBUTE, None)
+
+
+def set_outside_dtype(layer, dtype):
+    object.__setattr__(layer, _OUTSIDE_DTYPE_ATTRIBUTE, dtype)
+
+
 def set_boundary_casts(layer, entry_dtype=None, output_dtype=None, *_):
     """Makes `layer` take `entry_dtype` inside its `call` and return `output_dtype`.
 
@@ -126,7 +136,7 @@ def _with_boundary_casts(layer, call):
             floats = any(_is_float(x) for x in keras.tree.flatten((args, kwargs)))
             args, kwargs = keras.tree.map_structure(lambda x: _cast_float(x, entry), (args, kwargs))
         target = getattr(layer, _OUTPUT_DTYPE_ATTRIBUTE)
-        outside = getattr(layer, _OUTSIDE_DTYPE_ATTRIBUTE, None)
+        outside = outside_dtype_of(layer)
         if outside is not None and not _inside_a_model_call():
             target = outside
         if target is None:
@@ -278,7 +288,7 @@ def set_boundaries(model, outputs=None, entry_dtype=None):
         # DDIM's normalizer), and gets float32, as from the model, whatever
         # the half dtype.
         held = parent is model and layer_tree.is_subclassed(model)
-        object.__setattr__(layer, _OUTSIDE_DTYPE_ATTRIBUTE, "float32" if held else None)
+        set_outside_dtype(layer, "float32" if held else None)
         if caller_dtype is not None and computes_in_float32(layer):
             # Its float32 probabilities reach a subclassed model's `call`, on
             # their way to its outputs, in float32 (a cast to half would round

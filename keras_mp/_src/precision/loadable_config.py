@@ -28,7 +28,22 @@ class AmpPolicy(keras.DTypePolicy):
 
     It computes as `keras.DTypePolicy(name)` does; only its class, in a
     saved file, says that the layer needs keras_mp.
+
+    In a model's own config it also carries `layers`: the precision keras_mp
+    set for each of the model's layers (`model/config_precision.py`), which
+    the model is given back once it is rebuilt; the policy's own config
+    then says the model needs keras_mp too.
     """
+
+    def __init__(self, name=None, layers=None):
+        super().__init__(name)
+        self.layers = layers
+
+    def get_config(self):
+        config = super().get_config()
+        if self.layers is not None:
+            config["layers"] = self.layers
+        return config
 
 
 # Its name in a saved file, and in Keras's error where keras_mp is not
@@ -53,6 +68,56 @@ def mark_policies(layers, needs_keras_mp):
             layer.dtype_policy = wanted(policy.name)
 
 
+def _is_amp_policy(dtype):
+    """Whether a config's `dtype` entry is a serialized `AmpPolicy`."""
+    return isinstance(dtype, dict) and dtype.get("class_name") == AmpPolicy.__name__
+
+
+def record_in(config):
+    """The layers' precision a model's config carries in its `dtype`
+    (`AmpPolicy.layers`), or None."""
+    dtype = config.get("dtype") if isinstance(config, dict) else None
+    if not _is_amp_policy(dtype):
+        return None
+    return (dtype.get("config") or {}).get("layers")
+
+
+def with_record(config, record, name):
+    """A model's `config` whose `dtype` is an `AmpPolicy` of `name` carrying
+    `record`."""
+    dtype = keras.dtype_policies.serialize(AmpPolicy(name, record))
+    if name is None:  # the global policy where the model is rebuilt
+        dtype["config"]["name"] = None
+    return {**config, "dtype": dtype}
+
+
+def without_record(config):
+    """`(config, record)`: a model's config without the record of its layers'
+    precision (its `dtype` the name of its own policy; none in a functional
+    model's, as Keras writes it), and the record (None where it carries
+    none)."""
+    record = record_in(config)
+    if record is None:
+        return config, None
+    config = dict(config)
+    name = config.pop("dtype")["config"].get("name")
+    if not ("layers" in config and "input_layers" in config):
+        config["dtype"] = name
+    return config, record
+
+
+def without_records(config):
+    """A config (a model's, serialized) without the records of every model
+    in it: it rebuilds in the policies its layers' configs say."""
+    if isinstance(config, dict):
+        if record_in(config) is not None:
+            config = without_record(config)[0]
+        return {k: without_records(v) for k, v in config.items()}
+    if isinstance(config, list):
+        return [without_records(v) for v in config]
+    return config
+
+
 _LOADABLE_CONFIG_ATTRIBUTE = "_keras_mp_loadable_config"
 _BUILT_UNDER_ATTRIBUTE = "_keras_mp_built_under"
 
@@ -68,10 +133,12 @@ def keep_config_loadable(layer):
     TensorFlow refuses (Keras's own mixed policies fail the same way in a
     process whose global policy is float32). Such a layer's config gives no
     dtype instead, so that the block comes back in the default policy with
-    its sublayers; `compile_from_config` then restores the precision that
-    keras_mp set (`restore_precision`). A layer of Keras or KerasHub passes
-    its dtype on, and a layer whose config holds its sublayers' configs
-    rebuilds them with their own: theirs are left as they are.
+    its sublayers; the record of the model it is in (its own config's,
+    `model/config_precision.py`, or its compile config's) then restores the
+    precision that keras_mp set (`restore_precision`). A layer of Keras or
+    KerasHub passes its dtype on, and a layer whose config holds its
+    sublayers' configs rebuilds them with their own: theirs are left as
+    they are.
     """
     if layer_tree.is_graph(layer):
         _keep_the_graph_it_was_built_with(layer)
@@ -90,7 +157,11 @@ def keep_config_loadable(layer):
             and layer_tree.has_sublayers(layer)
             and not holds_layer_configs([v for k, v in config.items() if k != "dtype"])
         ):
-            config = {**config, "dtype": None}
+            record = record_in(config)
+            if record is None:
+                config = {**config, "dtype": None}
+            else:  # a model of your own: the precision of its layers kept
+                config = with_record(config, record, None)
         return config
 
     object.__setattr__(layer, "get_config", get_config_without_half_dtype)

@@ -18,6 +18,7 @@ import numpy as np
 
 from keras_mp._src import backends
 from keras_mp._src import keras_internals
+from keras_mp._src.precision.loadable_config import without_records
 from keras_mp._src.precision.policies import apply_amp
 from keras_mp._src.precision.policies import check_model
 from keras_mp._src.precision.policies import is_amp_model
@@ -79,7 +80,8 @@ def serving_copy(model, dtype="float32"):
     # A copy for serving: no optimizer, no loss, no amp compile; its matmuls
     # in the dtype it serves in (FP8 is how the model trained, not a format).
     config.pop("compile_config", None)
-    config = _without_float8(config)
+    # Nor the precision the model's layers compute in: the copy's own is set below.
+    config = _without_float8(without_records(config))
     # The model's own classes, registered with Keras or not.
     classes = {}
     for layer in keras_internals.all_layers(model):

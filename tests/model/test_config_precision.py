@@ -1,0 +1,143 @@
+"""Each layer's precision in the model's own config (`config_precision.py`):
+every road back to a model (`save`/`load_model`, `from_config(get_config())`,
+`clone_model`) computes as the model did, bit for bit, whether its precision
+came from `compile(amp_level=...)` or from `apply_amp` alone; a sub-model
+saved on its own too."""
+
+import warnings
+
+import keras
+import numpy as np
+import pytest
+
+import keras_mp
+from tests.saving import SHAPES
+from tests.saving import AttendingNet
+from tests.saving import assert_computes_as
+from tests.saving import outputs
+from tests.saving import precision
+from tests.saving import shape
+
+
+def _with_weights_of(model, rebuilt, x):
+    if not rebuilt.built:
+        rebuilt(x[:1])
+    rebuilt.set_weights(model.get_weights())
+    return rebuilt
+
+
+ROADS = {
+    "load_model": lambda model, x, path: keras.models.load_model(path),
+    "from_config": lambda model, x, path: _with_weights_of(
+        model, type(model).from_config(model.get_config()), x
+    ),
+    "clone_model": lambda model, x, path: _with_weights_of(
+        model, keras.models.clone_model(model), x
+    ),
+}
+
+
+@pytest.mark.parametrize("compiled", [False, True], ids=["apply_amp", "compiled"])
+@pytest.mark.parametrize("name", list(SHAPES))
+def test_every_road_back_computes_as_the_model_did(tmp_path, name, compiled):
+    """Only a model that came through `compile(amp_level=...)` came back in
+    its precision from `load_model` and `clone_model`, and none from
+    `from_config`: a softmax head computed in half and returned half (up to
+    6e-4 away), an attention's softmax in half, a GRU's head in bfloat16
+    (2e-3), each layer "Keras default" in `precision_summary`."""
+    model, x = shape(name, compiled)
+    path = str(tmp_path / "model.keras")
+    model.save(path)
+    # A compiled model's `load_model` came back exact before, with
+    # `compile=False` too (`test_saved_precision.py`, the zoo).
+    roads = ["from_config", "clone_model"] if compiled else list(ROADS)
+    _assert_every_road_computes_as(model, x, path, roads)
+
+
+def _assert_every_road_computes_as(model, x, path, roads=tuple(ROADS)):
+    expected = outputs(model, x)
+    for road in roads:
+        with warnings.catch_warnings():
+            warnings.simplefilter("error", UserWarning)  # no record that does not fit
+            warnings.filterwarnings("ignore", "The structure of `inputs`")
+            rebuilt = ROADS[road](model, x, path)
+        try:
+            assert_computes_as(rebuilt, model, x, expected)
+        except AssertionError as error:
+            raise AssertionError(f"{road}: {error}") from None
+
+
+def test_a_sub_model_saved_on_its_own_keeps_the_precision_its_parent_gave(tmp_path):
+    """The GAN's and the VAE's pattern: an encoder used inside the model
+    compiled at O2, then saved on its own. Its sigmoid came back in half,
+    its outputs half, 7e-4 away."""
+    keras.utils.set_random_seed(0)
+    inputs = keras.Input((6,))
+    code = keras.layers.Dense(4, activation="sigmoid")(keras.layers.Dense(8)(inputs))
+    encoder = keras.Model(inputs, code, name="encoder")
+    outer = keras.Input((6,))
+    full = keras.Model(outer, keras.layers.Dense(2)(encoder(outer)))
+    full.compile("adam", "mse", amp_level="O2")
+    x = np.random.default_rng(0).normal(size=(8, 6)).astype("float32") * 4
+    path = str(tmp_path / "encoder.keras")
+    encoder.save(path)
+    _assert_every_road_computes_as(encoder, x, path)
+
+
+@keras.saving.register_keras_serializable(package="keras_mp_tests")
+class OwnFromConfig(AttendingNet):
+    """`from_config` as Keras's guides write it for a model of your own: the
+    config straight to the constructor, without Keras's `from_config`."""
+
+    @classmethod
+    def from_config(cls, config):
+        return cls(**config)
+
+
+ONE_BACKEND = pytest.mark.skipif(
+    keras.backend.backend() != "torch",
+    reason="which layers get which record is decided before any backend computes",
+)
+
+
+@ONE_BACKEND
+def test_a_from_config_of_your_own_class_gives_it_back_too(tmp_path):
+    keras.utils.set_random_seed(0)
+    model = OwnFromConfig()
+    x = np.random.default_rng(0).normal(size=(8, 4, 8)).astype("float32") * 4
+    model(x[:1])
+    keras_mp.apply_amp(model, "O3")
+    path = str(tmp_path / "model.keras")
+    model.save(path)
+    _assert_every_road_computes_as(model, x, path)
+
+
+@ONE_BACKEND
+def test_a_model_keras_mp_did_not_set_keeps_keras_config():
+    """`import keras_mp` changes nothing else: a model keras_mp never set
+    the precision of, or set at O0 (Keras's configs rebuild it exactly),
+    has Keras's own config."""
+    model, _ = shape("functional_attention", compiled=False)
+    assert "dtype" in model.get_config()
+    keras.utils.set_random_seed(0)
+    plain = SHAPES["functional_attention"][0]()
+    assert "dtype" not in plain.get_config()
+    keras_mp.apply_amp(plain, "O0")
+    assert "dtype" not in plain.get_config()
+
+
+@ONE_BACKEND
+def test_a_clone_whose_layers_differ_says_it_was_not_given_the_precision():
+    """A `clone_function` that makes other layers: the record cannot be
+    applied by position, and the clone says so rather than computing in a
+    precision nobody chose."""
+    model, _ = shape("sequential_softmax_head", compiled=False)
+
+    def other_layers(layer):
+        if isinstance(layer, keras.layers.Dense):
+            return keras.layers.EinsumDense("ab,bc->ac", (layer.units,))
+        return layer.__class__.from_config(layer.get_config())
+
+    with pytest.warns(UserWarning, match="clone_model rebuilt model .* not given back"):
+        clone = keras.models.clone_model(model, clone_function=other_layers)
+    assert {r[3] for r in precision(clone)} == {"Keras default"}
