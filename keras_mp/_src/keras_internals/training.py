@@ -1,0 +1,52 @@
+"""Keras's trainer from inside: the methods keras_mp extends, the compile
+config, and the state `fit` builds and passes its step."""
+
+from keras_mp._src.keras_internals.required import _need
+
+# Keras's `Trainer`: `compile`, `compile_from_config`, `get_compile_config`
+# and `_aggregate_additional_loss` are extended on it (`compile.py`).
+Trainer = _need("keras.src.trainers.trainer", "Trainer")
+
+# Keras's own messages go through it (quiet under `keras.config.disable_interactive_logging`).
+print_msg = _need("keras.src.utils.io_utils", "print_msg")
+
+LossFunctionWrapper = _need("keras.src.losses.losses", "LossFunctionWrapper")
+
+# Optional: absent in a Keras that sums `add_loss` losses some other way,
+# and then left alone.
+aggregate_additional_loss = getattr(Trainer, "_aggregate_additional_loss", None)
+
+
+def record_in_compile_config(model, **settings):
+    """Adds `settings` to the config `model.get_compile_config()` returns."""
+    model._compile_config.config.update(**settings)
+
+
+def call_takes_training(model):
+    """Whether `model.call` has a `training` argument."""
+    return model._call_has_training_arg
+
+
+def is_keras_train_step(train_step):
+    """Whether a bound `train_step` is Keras's PyTorch trainer's own (not a
+    model's override)."""
+    from keras.src.backend.torch.trainer import TorchTrainer
+
+    return getattr(train_step, "__func__", None) is TorchTrainer.train_step
+
+
+def build_for_training(model, data):
+    """Builds `model`, its optimizer and metrics for a batch `data` (`(x, y)`)
+    as `fit` does before its first step, running nothing."""
+    model._symbolic_build(data_batch=data)
+
+
+def jax_training_state(model):
+    """The state Keras's JAX `fit` passes its `train_step`: trainable,
+    non-trainable, optimizer and metrics values."""
+    return model._get_jax_state(
+        trainable_variables=True,
+        non_trainable_variables=True,
+        optimizer_variables=True,
+        metrics_variables=True,
+    )
