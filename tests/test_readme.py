@@ -17,6 +17,8 @@ import keras
 import numpy as np
 import pytest
 
+import keras_mp
+
 BACKEND = keras.backend.backend()
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 EXAMPLE = os.path.join(ROOT, "examples", "custom_training_loop.py")
@@ -31,11 +33,20 @@ def _readme_blocks():
     return dict(re.findall(r"<!-- custom-loop: (\w+) -->\n```python\n(.*?)\n```", _readme(), re.S))
 
 
+def _python_blocks():
+    """Every Python block of the README, in order, with the marker above it."""
+    return re.findall(r"(?:<!-- ([\w: -]+) -->\n)?```python\n(.*?)\n```", _readme(), re.S)
+
+
 @pytest.mark.floor
-def test_quickstart_runs_as_pasted(capsys):
-    (code,) = re.findall(r"<!-- quickstart -->\n```python\n(.*?)\n```", _readme(), re.S)
+def test_every_block_runs_as_pasted(capsys):
+    """The blocks run in order in one namespace, as a reader pastes them:
+    the quickstart, then the manual control of its model, the optimizer, and
+    the custom loop (defined; run by the example's test below)."""
+    blocks = _python_blocks()
+    assert blocks[0][0] == "quickstart" and len(blocks) >= 4
     namespace = {}
-    exec(compile(code, "README:quickstart", "exec"), namespace)
+    exec(compile(blocks[0][1], "README:quickstart", "exec"), namespace)
     model = namespace["model"]
     assert model.get_compile_config()["amp_level"] == "O2"
     assert model.layers[0].compute_dtype == "float16"
@@ -46,6 +57,14 @@ def test_quickstart_runs_as_pasted(capsys):
     # keeps the value's type: test_callbacks.py; Keras 3.10 prints 32768.0000.)
     assert re.search(r"loss_scale: 32768(\.0+)? - skipped_steps: 0\b", out), out[-500:]
     assert "Compute" in out and "O2 deny-list" in out  # the summary printed
+    for number, (marker, code) in enumerate(blocks[1:], 1):
+        code = compile(code, f"README:block {number}", "exec")
+        if marker.startswith("custom-loop") and marker != f"custom-loop: {BACKEND}":
+            continue  # another backend's loop: compiled only
+        exec(code, namespace)
+    assert isinstance(namespace["optimizer"], keras_mp.LossScaleOptimizer)
+    assert namespace["optimizer"].min_scale is None
+    assert model.layers[0].compute_dtype == "bfloat16"  # to_float, kept by compile
 
 
 def _example_blocks():
