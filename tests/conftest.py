@@ -90,3 +90,57 @@ def jax_skip_form(request, monkeypatch):
 
 def pytest_report_header(config):
     return f"keras {keras.__version__}, backend: {keras.backend.backend()}"
+
+
+# -- which backend proves what, and where the time goes -------------------------
+
+# A property that does not depend on the backend (a rule's decision, a
+# table, a parser, a report's arithmetic, the state machine's reference) is
+# proven once, on the backend whose steps cost least on a CPU: PyTorch's run
+# op by op, where TensorFlow and JAX compile (CONTRIBUTING.md, "Which
+# backend proves what").
+ONE_BACKEND = "torch"
+# A test whose call takes longer than this carries `@pytest.mark.slow(reason=...)`;
+# the summary lists the ones that do not, and what the marked ones cost.
+SLOW_SECONDS = 30.0
+
+
+def pytest_collection_modifyitems(config, items):
+    for item in items:
+        marker = item.get_closest_marker("one_backend")
+        if marker is None:
+            continue
+        backend = marker.args[0] if marker.args else ONE_BACKEND
+        if keras.backend.backend() != backend:
+            item.add_marker(pytest.mark.skip(reason=f"backend-independent: proven on {backend}"))
+
+
+def pytest_runtest_setup(item):
+    marker = item.get_closest_marker("slow")
+    if marker is not None and not (marker.kwargs.get("reason") or marker.args):
+        raise pytest.UsageError(f"{item.nodeid}: @pytest.mark.slow needs reason=...")
+
+
+def pytest_terminal_summary(terminalreporter):
+    """The tests over `SLOW_SECONDS`: the marked ones' total, and the ones
+    that carry no reason for their time (each a place to cut)."""
+    marked, unmarked = [], []
+    for report in terminalreporter.stats.get("passed", []) + terminalreporter.stats.get(
+        "failed", []
+    ):
+        if report.when != "call":
+            continue
+        if "slow" in report.keywords:
+            marked.append(report)
+        elif report.duration > SLOW_SECONDS:
+            unmarked.append(report)
+    terminalreporter.write_sep("-", f"tests over {SLOW_SECONDS:.0f} s")
+    total = sum(r.duration for r in marked)
+    terminalreporter.write_line(
+        f"marked slow (with a reason): {len(marked)} tests, {total:.0f} s in all"
+    )
+    for report in sorted(unmarked, key=lambda r: -r.duration):
+        terminalreporter.write_line(
+            f"over {SLOW_SECONDS:.0f} s without @pytest.mark.slow(reason=...): "
+            f"{report.duration:.1f} s {report.nodeid}"
+        )
