@@ -102,7 +102,8 @@ def symbolic_calls(layer):
     Keras operation called inside records a node (`made_by` reads them). On
     exit those recorded on `layer` and the layers in it are removed: the
     functional API reads them (`layer.output`, a graph's node indices).
-    Yields `consumed(operation)`: whether a call inside took in its outputs.
+    Yields `consumed(operation)`: how many times calls inside took in its
+    outputs (a call taking two of them: twice; 0 for none).
     Outside any name scope, it opens one of its own, as `compute_output_spec`
     does; inside a model's (its build), a layer it builds is named as the
     model's own call would name it."""
@@ -113,7 +114,7 @@ def symbolic_calls(layer):
 
     def consumed(operation):
         outbound = getattr(operation, "_outbound_nodes", ())  # not an operation: an input
-        return len(outbound) > counts.get(id(operation), (0, 0, 0))[2]
+        return len(outbound) - counts.get(id(operation), (0, 0, 0))[2]
 
     stack = _global_state.get_global_attribute("name_scope_stack")
     depth = len(stack) if stack else 0

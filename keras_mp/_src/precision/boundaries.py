@@ -222,7 +222,7 @@ def _cast_half_or_float32(x, dtype):
 # policy; keras_mp keeps them in float32 at every level.
 
 
-def set_boundaries(model, outputs=None, entry_dtype=None):
+def set_boundaries(model, outputs=None, entry_dtype=None, returning=(), own_float32=()):
     """The boundary rule: what a layer returns to the layer that calls it.
 
     `outputs` None (`to_float` on a layer): only the layers inside `model`
@@ -242,6 +242,9 @@ def set_boundaries(model, outputs=None, entry_dtype=None):
       out: Keras casts each layer's inputs to its own compute dtype.
 
     - An output layer of the model computing in half returns float32.
+    - `returning`: ids of the float32 layers that return float32 to a
+      caller computing in half, `own_float32`: of the subclassed models
+      whose own arithmetic computes in float32 (`head_returns.py`).
 
     Returns:
         `(layer, dtype, caller)` for each layer that now returns a dtype
@@ -273,8 +276,9 @@ def set_boundaries(model, outputs=None, entry_dtype=None):
             continue
         output = any(layer is o for o in outputs or ())
         if layer_tree.is_subclassed(layer) and (layer is model or output):
-            inner_dtypes[id(layer)] = entry_dtype
-            set_boundary_casts(layer, entry_dtype, "float32")
+            entry = "float32" if id(layer) in own_float32 else entry_dtype
+            inner_dtypes[id(layer)] = entry
+            set_boundary_casts(layer, entry, "float32")
             continue
         if output and not layer_tree.is_container(layer):
             inner_dtypes[id(layer)] = layer.compute_dtype
@@ -289,7 +293,10 @@ def set_boundaries(model, outputs=None, entry_dtype=None):
         # the half dtype.
         held = parent is model and layer_tree.is_subclassed(model)
         set_outside_dtype(layer, "float32" if held else None)
-        if caller_dtype is not None and computes_in_float32(layer):
+        if caller_dtype is not None and id(layer) in returning:
+            set_boundary_casts(layer, output_dtype="float32")
+            returns.append((layer, "float32", parent))
+        elif caller_dtype is not None and computes_in_float32(layer):
             # Its float32 probabilities reach a subclassed model's `call`, on
             # their way to its outputs, in float32 (a cast to half would round
             # the small ones to 0), as torch.autocast's softmax; a composite

@@ -27,6 +27,7 @@ import keras
 
 from keras_mp._src import keras_internals
 from keras_mp._src.precision import float8
+from keras_mp._src.precision import head_returns
 from keras_mp._src.precision import layer_tree
 from keras_mp._src.precision import output_losses
 from keras_mp._src.precision.float8 import weighs_inputs
@@ -45,11 +46,15 @@ class Heads:
         losses: `{output: (loss name, whether a cross-entropy)}` for the
             outputs a loss keras_mp can name reads.
         deferred: a model or layer whose outputs need a trace was not built.
+        alone: `{id(layer): whether its outputs reach its caller's outputs
+            alone}` for the layers a traced `call` called
+            (`head_returns.flows_alone`).
     """
 
     layers: dict = dataclasses.field(default_factory=dict)
     losses: dict = dataclasses.field(default_factory=dict)
     deferred: bool = False
+    alone: dict = dataclasses.field(default_factory=dict)
 
     def head(self, layer):
         """None for a layer that makes no output, else whether it is bounded."""
@@ -206,8 +211,15 @@ class _Walk:
         if not model.built:
             self.heads.deferred = True
             return None, None
-        outputs, consumed = _trace(model, None, stack)
+        outputs, consumed = self._trace(model, None, stack)
         return outputs, consumed and (lambda output: consumed(_operation(output)))
+
+    def _trace(self, layer, arguments, stack):
+        """`_trace`, noting where the outputs of the layers it calls go."""
+        outputs, consumed = _trace(layer, arguments, stack)
+        if outputs is not None:
+            self.heads.alone.update(head_returns.flows_alone(layer, outputs, consumed))
+        return outputs, consumed
 
     def all_outputs(self, model, key, bounded=False):
         """Walks back from every output of `model` others of it do not take
@@ -264,7 +276,7 @@ class _Walk:
             self.heads.deferred = True
             return self.guess(layer, key, bounded)
         with contextlib.ExitStack() as stack:
-            outputs, _ = _trace(layer, arguments, stack)
+            outputs, _ = self._trace(layer, arguments, stack)
             if outputs is None:
                 return self.guess(layer, key, bounded)
             flat = keras.tree.flatten(outputs)

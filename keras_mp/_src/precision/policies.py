@@ -16,6 +16,7 @@ from keras_mp._src.precision import boundaries
 from keras_mp._src.precision import conditions
 from keras_mp._src.precision import fallback
 from keras_mp._src.precision import float8
+from keras_mp._src.precision import head_returns
 from keras_mp._src.precision import layer_kinds
 from keras_mp._src.precision import layer_tree
 from keras_mp._src.precision import named_layers
@@ -169,10 +170,12 @@ def apply(model, amp, set_before=None):
     set_policies(model, decisions)
     layers = [layer for layer, _ in decisions]
     probabilities.set_probabilities(layers)
-    returns = boundaries.set_boundaries(model, outputs, entry_dtype)
+    returns, own_float32 = head_returns.set_boundaries(model, amp, heads, outputs, entry_dtype)
     _annotate_returns(
         [r for r in returns if id(r[0]) not in by_hand], [x for x in layers if id(x) not in by_hand]
     )
+    for caller, note in own_float32:
+        object.__setattr__(caller, _RULE_ATTRIBUTE, f"{rule_of(caller)}; {note}")
     mark_policies(layers, needs_keras_mp)
     if amp.float8 is not None:
         float8.warn_once_where_nothing_computes_fp8()
