@@ -22,7 +22,7 @@ import numpy as np
 import pytest
 
 import keras_mp
-from keras_mp._src.tools import gpu_peaks
+from keras_mp._src.backends import gpu_peaks
 
 ROOT = Path(__file__).resolve().parents[2]
 README = ROOT / "benchmarks" / "README.md"

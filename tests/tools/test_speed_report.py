@@ -146,7 +146,7 @@ def test_without_a_gpu_it_reports_for_this_cpu():
     tensor-core advice."""
     from keras_mp._src import backends
     from keras_mp._src.backends import cpu_rates
-    from keras_mp._src.tools import gpu_peaks
+    from keras_mp._src.backends import gpu_peaks
 
     if backends.current.gpu_name() is not None:
         pytest.skip("this machine has a GPU: the default reports for it")
@@ -176,7 +176,7 @@ def test_without_a_gpu_it_reports_for_this_cpu():
 def test_an_emulated_half_dtype_is_bounded_at_float32s_rate():
     """A CPU that converts bfloat16 to float32 (1 GFLOP/s against 100): the
     bound never charges half below float32; a native one (3x) lifts it."""
-    from keras_mp._src.tools import gpu_peaks
+    from keras_mp._src.backends import gpu_peaks
 
     slow = gpu_peaks.Peaks("a CPU", 1e9, 1e9, None, 1e11, 2e10, kind="cpu", native=())
     fast = gpu_peaks.Peaks("a CPU", 3e11, 3e11, None, 1e11, 2e10, kind="cpu", native=("bfloat16",))

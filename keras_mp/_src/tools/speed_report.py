@@ -31,16 +31,17 @@ issue compares it with the clock (`benchmarks/README.md`).
 
 import dataclasses
 
+from keras_mp._src.backends import gpu_peaks
 from keras_mp._src.optimizer import low_precision_state
 from keras_mp._src.precision import amp_settings
+from keras_mp._src.precision import speed_trace
+from keras_mp._src.precision import step_cost
 from keras_mp._src.precision.float8 import Float8Recipe
 from keras_mp._src.precision.levels import FLOAT8
 from keras_mp._src.precision.levels import FLOAT8_LEVELS
 from keras_mp._src.precision.levels import HALF_DTYPES
 from keras_mp._src.precision.policies import check_model
-from keras_mp._src.tools import gpu_peaks
 from keras_mp._src.tools import speed_model
-from keras_mp._src.tools import speed_trace
 from keras_mp._src.tools import table
 
 
@@ -119,8 +120,8 @@ def speed_report(
     if moment_dtypes == "model":
         moment_dtypes = speed_model.moments_of(model)
     moment_dtypes = low_precision_state.check_argument(moment_dtypes)
-    at_level = speed_model.accounts_at(model, calls, amp)
-    at_o0 = speed_model.accounts_at(model, calls, reference)
+    at_level = step_cost.accounts_at(model, calls, amp)
+    at_o0 = step_cost.accounts_at(model, calls, reference)
     memory = {
         name: speed_model.memory(
             model,
@@ -295,19 +296,17 @@ def _float8_advice(model, calls, amp, accounts, peaks):
         return []
     if amp.float8 is None:
         as_fp8 = dataclasses.replace(amp, half="bfloat16", float8=Float8Recipe())
-        candidates = speed_model.accounts_at(model, calls, as_fp8)
+        candidates = step_cost.accounts_at(model, calls, as_fp8)
     else:
         allowed = tuple(a.layer for a in accounts.values() if a.matmul != FLOAT8 and a.flops)
         as_fp8 = dataclasses.replace(amp, allow=amp.allow + allowed)
-        candidates = speed_model.accounts_at(model, calls, as_fp8)
+        candidates = step_cost.accounts_at(model, calls, as_fp8)
     saved, names, kinds = 0.0, [], set()
     for key, a in candidates.items():
         now = accounts.get(key)
         if a.matmul != FLOAT8 or now is None or now.matmul == FLOAT8:
             continue
-        saved += speed_model.layer_seconds(now, peaks, True) - speed_model.layer_seconds(
-            a, peaks, True
-        )
+        saved += step_cost.layer_seconds(now, peaks, True) - step_cost.layer_seconds(a, peaks, True)
         saved -= (a.cast_bytes - now.cast_bytes) / peaks.bandwidth
         names.append(f"`{_name(a.layer)}`")
         kinds.add(type(a.layer).__name__)

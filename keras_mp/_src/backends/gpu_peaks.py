@@ -1,5 +1,6 @@
-"""Peak rates of the devices the speed report predicts for, as data: the
-GPUs' from their data sheets, this machine's CPU measured (`this_cpu`).
+"""Peak rates of the devices the speed report and `amp_level="auto"`
+predict for, as data: the GPUs' from their data sheets, this machine's
+CPU measured (`this_cpu`).
 
 Dense (not sparse) tensor-core rates from NVIDIA's data sheets, in FLOP/s,
 and memory bandwidth in bytes/s. A rate of None means the GPU has no such
