@@ -7,8 +7,11 @@ configs with random weights (nothing downloaded). Per backend, in one
 process, `train_on_batch` steps of O0, O2 bfloat16, O3 bfloat16 and Keras's
 own `mixed_bfloat16` policy, the configurations alternated round by round,
 medians over rounds; beside them this CPU's flags and the matmul rates
-`amp_level="auto"` decides from (`keras_mp._src.backends.cpu_rates`), what
-`auto` picks, and `speed_report(device="cpu")`'s bound for O2.
+`amp_level="auto"` measures (`keras_mp._src.backends.cpu_rates`), what
+`auto` picks for the model, and `speed_report(device="cpu")`'s bound and
+predicted speed-up for O2 (`predicted_speedup`: the step's matmuls,
+other work, casts and launches at this CPU's measured costs, what `auto`
+decides from).
 
 A configuration whose bfloat16 matmul measured under a tenth of float32's
 rate (PyTorch emulates bfloat16 at about 1 GFLOP/s on a CPU without
@@ -19,6 +22,7 @@ AVX512-BF16) is not timed: a step would take minutes.
 """
 
 import argparse
+import dataclasses
 import os
 import statistics
 import subprocess
@@ -37,8 +41,9 @@ TOKENS = 128
 VOCABULARY = 8192
 HEADER = (
     "| backend | model | O0 ms | O2 bfloat16 | O3 bfloat16 | Keras mixed_bfloat16 "
-    "| report's bound (O2) | matmul GFLOP/s (float32 / bfloat16) | memory GB/s |\n"
-    "|---|---|---|---|---|---|---|---|---|"
+    "| report's bound (O2) | predicted (O2) | matmul GFLOP/s (float32 / bfloat16) "
+    "| memory GB/s |\n"
+    "|---|---|---|---|---|---|---|---|---|---|"
 )
 
 
@@ -93,6 +98,7 @@ def run(name, rounds, steps):
 
     import keras_mp
     from keras_mp._src.backends import cpu_rates
+    from keras_mp._src.precision import amp_settings
     from keras_mp._src.precision import auto_level
 
     backend = keras.backend.backend()
@@ -113,8 +119,9 @@ def run(name, rounds, steps):
                 model.train_on_batch(*batch)
             times[config].append((time.perf_counter() - start) / steps)
     median = {c: statistics.median(t) for c, t in times.items()}
-    model, _, batch = _build(keras, name)
+    model, loss, batch = _build(keras, name)
     summary = keras_mp.speed_report(model, batch[0], "O2", "bfloat16", device="cpu").summary
+    predicted = summary["predicted_speedup"]
 
     def cell(config):
         if config not in median:
@@ -124,13 +131,17 @@ def run(name, rounds, steps):
     print(
         f"| {backend} | {name} | {median['O0'] * 1e3:.0f} | {cell('O2 bfloat16')} "
         f"| {cell('O3 bfloat16')} | {cell('keras mixed_bfloat16')} "
-        f"| {summary['speedup_bound_tf32']:.2f} "
+        f"| {summary['speedup_bound_tf32']:.2f} | {predicted:.2f}x "
         f"| {rates['float32'] / 1e9:.0f} / {rates['bfloat16'] / 1e9:.0f} "
         f"| {cpu_rates.memory_bandwidth() / 1e9:.1f} |",
         flush=True,
     )
-    level, dtype, reason = auto_level.pick_auto_level()
-    print(f"# {backend}: auto picks {level} {dtype}: {reason}", flush=True)
+
+    def settings_for(level, half):
+        return dataclasses.replace(amp_settings.for_layers(level, half), loss=loss)
+
+    level, dtype, reason = auto_level.pick_auto_level(None, model, settings_for)
+    print(f"# {backend} {name}: auto picks {level} {dtype}: {reason}", flush=True)
 
 
 def main():

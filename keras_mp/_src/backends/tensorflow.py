@@ -343,24 +343,6 @@ def gpu_name():
     return tf.config.experimental.get_device_details(gpus[0]).get("device_name")
 
 
-def timed_matmul(n, dtype):
-    """A graph (`tf.function`) without XLA, on the CPU: what `fit` runs on a
-    machine without a GPU (Keras turns XLA off there)."""
-    import numpy as np
-    import tensorflow as tf
-
-    rng = np.random.default_rng(0)
-    with tf.device("/CPU:0"):
-        a, b = (tf.cast(tf.constant(rng.random((n, n)), tf.float32), dtype) for _ in range(2))
-    matmul = tf.function(tf.linalg.matmul, jit_compile=False)
-
-    def run():
-        with tf.device("/CPU:0"):
-            return matmul(a, b)[0, 0].numpy()
-
-    return run
-
-
 def train_step_matmuls(model, data):
     """The matmuls of the graph `tf.function` traces of the train step
     (nothing run)."""

@@ -11,8 +11,8 @@ import keras
 from keras_mp._src import keras_internals
 from keras_mp._src.precision import float8
 from keras_mp._src.precision import layer_tree
+from keras_mp._src.precision import policies as policy_rules
 from keras_mp._src.precision import speed_trace
-from keras_mp._src.precision.policies import decide_all
 
 _BYTES = {"float16": 2, "bfloat16": 2, "float32": 4, "float64": 8}
 
@@ -34,6 +34,8 @@ class Account:
     dims: list = dataclasses.field(default_factory=list)
     casts: int = 0
     cast_bytes: int = 0
+    cast_values: int = 0  # values its casts convert a step, forward and backward
+    output_values: int = 0  # values its calls return (its elementwise work's size)
     moved: int = 0  # bytes its calls read and write, forward and backward
     kept: int = 0  # bytes of its outputs (and kernels' casts) kept for the backward pass
     # Matmuls a step per forward one: the forward, its weights' gradient and
@@ -50,7 +52,7 @@ class Account:
 def accounts_at(model, calls, amp):
     """Per layer (in the order they first ran): work, casts and bytes at `amp`."""
     compute, reasons, policies = {}, {}, {}
-    for layer, (policy_name, reason) in decide_all(model, amp):
+    for layer, (policy_name, reason) in policy_rules.decide_all(model, amp):
         policy = keras.dtype_policies.get(policy_name) if policy_name else layer.dtype_policy
         compute[id(layer)] = keras.backend.standardize_dtype(policy.compute_dtype)
         reasons[id(layer)] = reason
@@ -86,6 +88,7 @@ def accounts_at(model, calls, amp):
             if source != dtype:
                 entry.casts += 2  # forward, and the gradient's back
                 entry.cast_bytes += 2 * size * (nbytes(source) + nbytes(dtype))
+                entry.cast_values += 2 * size
         # Its weights: read forward and backward, a gradient written; where
         # they are kept in another dtype (O1/O2's float32), cast both ways.
         policy = policies.get(id(layer), layer.dtype_policy)
@@ -96,6 +99,7 @@ def accounts_at(model, calls, amp):
             if keras.backend.is_float_dtype(kept_in) and kept_in != dtype:
                 entry.casts += 2
                 entry.cast_bytes += 2 * size * (nbytes(kept_in) + nbytes(dtype))
+                entry.cast_values += 2 * size
                 if len(variable.shape) >= 2:
                     # A kernel's cast is an operand of its matmul: kept
                     # for the backward pass.
@@ -107,6 +111,7 @@ def accounts_at(model, calls, amp):
             quantized += numel(float8.gemm_dims(layer).values())
             entry.casts += 3
             entry.cast_bytes += quantized * (nbytes(dtype) + 1)
+            entry.cast_values += quantized
         returned = _returned_dtype(layer, dtype, parents, compute, amp, model)
         if id(layer) in outputs:
             returned = "float32"
@@ -114,10 +119,12 @@ def accounts_at(model, calls, amp):
             size = numel(shape)
             entry.moved += 3 * size * nbytes(dtype)
             entry.kept += size * nbytes(dtype)
+            entry.output_values += size
             produced[tensor] = returned
             if returned != dtype:
                 entry.casts += 2
                 entry.cast_bytes += 2 * size * (nbytes(dtype) + nbytes(returned))
+                entry.cast_values += 2 * size
     return accounts
 
 
