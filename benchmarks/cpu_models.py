@@ -1,9 +1,11 @@
 """The models users train on a CPU: does bfloat16 pay on this processor?
 
 A KerasHub BERT classifier and a GPT-2 language model (hidden 512, 4
-layers, 8 heads, 128 tokens, vocabulary 8192, batch 16) and
-keras.applications' ResNet50 at 96x96 (batch 16, 10 classes), built from
-configs with random weights (nothing downloaded). Per backend, in one
+layers, 8 heads, 128 tokens, vocabulary 8192, batch 16),
+keras.applications' ResNet50 at 96x96 (batch 16, 10 classes), and the
+main job's digits MLP (64 -> 256 -> BatchNorm -> 256 -> 10, batch 32: a
+step its launches dominate, timed `MLP_STEPS` times more steps a round),
+built from configs with random weights (nothing downloaded). Per backend, in one
 process, `train_on_batch` steps of O0, O2 bfloat16, O3 bfloat16 and Keras's
 own `mixed_bfloat16` policy, the configurations alternated round by round,
 medians over rounds; beside them this CPU's flags and the matmul rates
@@ -34,7 +36,8 @@ from _common import built_for
 from _common import level_of
 
 BACKENDS = ("tensorflow", "jax", "torch")
-MODELS = ("bert", "gpt2", "resnet50")
+MODELS = ("bert", "gpt2", "resnet50", "mlp")
+MLP_STEPS = 50
 CONFIGS = ("O0", "O2 bfloat16", "O3 bfloat16", "keras mixed_bfloat16")
 BATCH = 16
 TOKENS = 128
@@ -52,6 +55,19 @@ def _build(keras, name):
     import numpy as np
 
     rng = np.random.default_rng(0)
+    if name == "mlp":
+        layers = keras.layers
+        model = keras.Sequential(
+            [
+                keras.Input((64,)),
+                layers.Dense(256, activation="relu"),
+                layers.BatchNormalization(),
+                layers.Dense(256, activation="relu"),
+                layers.Dense(10, activation="softmax"),
+            ]
+        )
+        x = rng.random((32, 64)).astype("float32")
+        return model, "sparse_categorical_crossentropy", (x, rng.integers(0, 10, size=32))
     if name == "resnet50":
         shape = (96, 96, 3)
         model = keras.applications.ResNet50(weights=None, input_shape=shape, classes=10)
@@ -179,7 +195,7 @@ def main():
 
     keras.config.disable_interactive_logging()
     for name in args.models:
-        run(name, args.rounds, args.steps)
+        run(name, args.rounds, args.steps * (MLP_STEPS if name == "mlp" else 1))
 
 
 if __name__ == "__main__":

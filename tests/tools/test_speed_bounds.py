@@ -177,7 +177,7 @@ def bounds(device, name, batch, level, dtype):
 def test_the_readme_has_rows_of_every_kind():
     rows = measured_rows()
     assert {r[2] for r in rows} >= {"gemma", "resnet50", "mlp_large", "transformer_large"}
-    assert {r[2] for r in rows if r[0].startswith("CPU:")} == {"bert", "gpt2", "resnet50"}
+    assert {r[2] for r in rows if r[0].startswith("CPU:")} >= {"bert", "gpt2", "resnet50"}
 
 
 def test_a_cell_it_cannot_read_fails_instead_of_being_skipped():

@@ -25,8 +25,12 @@ would set):
 - what to change, ranked by the time it would save.
 
 It is a bound, not a measurement: peaks are never reached, elementwise work
-fuses, and launch and host costs are only counted for the warning. The GPU
-issue compares it with the clock (`benchmarks/README.md`).
+fuses, and launch and host costs are only counted for the warning (launches
+at 5 us on a GPU, at the cost one measured with this backend on a CPU),
+which leads the verdict where they exceed the step's work. On a CPU the
+report also predicts the step's speed-up, launches and elementwise work
+counted (`precision/step_time.py`, what `amp_level="auto"` decides from).
+`benchmarks/README.md` compares both with the clock.
 """
 
 import dataclasses
