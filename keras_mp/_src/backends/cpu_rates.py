@@ -115,7 +115,8 @@ def elementwise_rate(dtype):
 def launch_seconds(dtype):
     """Seconds a step costs beyond its arithmetic, per launch, at O0
     (`"float32"`) or at O2 in the half `dtype`, with this process's backend
-    (the proxy's step, measured once, then cached)."""
+    (the proxy's step, measured once, then cached); None where the proxy
+    cannot train in this process."""
     return _cached(("launch", dtype), lambda: _proxy_step(dtype))
 
 
@@ -153,7 +154,12 @@ def proxy_model():
     return keras.Sequential(
         [keras.Input((PROXY_WIDTH,), name="keras_mp_proxy_input")]
         + [
-            keras.layers.Dense(PROXY_WIDTH, kernel_initializer=constant, name=f"keras_mp_proxy_{i}")
+            keras.layers.Dense(
+                PROXY_WIDTH,
+                kernel_initializer=constant,
+                dtype="float32",  # whatever the global policy
+                name=f"keras_mp_proxy_{i}",
+            )
             for i in range(PROXY_DEPTH)
         ],
         name="keras_mp_launch_proxy",
@@ -161,6 +167,15 @@ def proxy_model():
 
 
 def _proxy_step(dtype):
+    try:
+        return (
+            _proxy_step_seconds(dtype) / PROXY_LAUNCHES["float32" if dtype == "float32" else "half"]
+        )
+    except Exception:  # A step this process cannot run (a distribution that
+        return None  # shards the batch of 8 over its devices): not known.
+
+
+def _proxy_step_seconds(dtype):
     import keras
 
     model = proxy_model()
@@ -168,9 +183,7 @@ def _proxy_step(dtype):
     level = {} if dtype == "float32" else {"amp_level": "O2", "amp_dtype": dtype}
     model.compile(optimizer=keras.optimizers.Adam(1e-9), loss="mse", **level)
     x = np.ones((PROXY_WIDTH, PROXY_WIDTH), "float32")
-    launches = PROXY_LAUNCHES["float32" if dtype == "float32" else "half"]
-    step = _fastest(lambda: model.train_on_batch(x, x), PROXY_STEPS, PROXY_BUDGET_SECONDS)
-    return step / launches
+    return _fastest(lambda: model.train_on_batch(x, x), PROXY_STEPS, PROXY_BUDGET_SECONDS)
 
 
 @functools.cache

@@ -48,6 +48,8 @@ def _predicted(model, settings_for, half, peaks):
     batch, words = step_time.synthetic_batch(model)
     if batch is None:
         return words
+    if peaks.kind == "cpu" and not (peaks.launch_seconds("float32") and peaks.launch_seconds(half)):
+        return "its launches could not be timed in this process"
     try:
         calls = speed_trace.trace(model, batch)
         return step_time.predict(
