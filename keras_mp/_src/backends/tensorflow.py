@@ -171,11 +171,17 @@ def apply(step, grads, trainable_variables, unscaled_by_caller):
         if unscaled_by_caller:
             return grads
         of_grads = common.scale_of_grads(step, scale)
+        if of_grads is None and not in_xla_context():
+            # Nothing to unscale (bfloat16's fixed 1), but the gradients must
+            # pass through an op inside the branch (a bare capture fails
+            # TensorFlow's gradient bookkeeping at O3): an Identity, which
+            # copies nothing, where a multiply by 1 wrote every gradient out
+            # again (a ResNet50's 94 MB a step).
+            return _passed_through(unscale(grads, None, skip=step.skip), step.skip)
         if of_grads is None:
-            # A multiply by 1 all the same: the gradients must pass through
-            # an op inside the branch (a bare capture fails TensorFlow's
-            # gradient bookkeeping at O3), and under XLA on a CPU the
-            # barrier (`keep_conditional`) must feed it; x / x is 1.
+            # Under XLA on a CPU the barrier (`keep_conditional`) must feed
+            # an op of the branch; x / x is 1, and XLA fuses the multiply
+            # into the update.
             of_grads = ops.divide(scale, scale)
         return unscale(grads, of_grads, skip=step.skip)
 
@@ -225,6 +231,17 @@ def apply(step, grads, trainable_variables, unscaled_by_caller):
         cross_replica, args=(finite, tuple(replica_grads))
     )
     common.assign_state(step, state, update(state, finite, config))
+
+
+def _passed_through(grads, skip):
+    import tensorflow as tf
+
+    def identity(g):
+        if common.is_indexed_slices(g):
+            return with_values(g, tf.identity(g.values))
+        return tf.identity(g)
+
+    return [g if g is None or i in skip else identity(g) for i, g in enumerate(grads)]
 
 
 def check_stateless():
@@ -341,24 +358,6 @@ def gpu_name():
     if not gpus:
         return None
     return tf.config.experimental.get_device_details(gpus[0]).get("device_name")
-
-
-def timed_matmul(n, dtype):
-    """A graph (`tf.function`) without XLA, on the CPU: what `fit` runs on a
-    machine without a GPU (Keras turns XLA off there)."""
-    import numpy as np
-    import tensorflow as tf
-
-    rng = np.random.default_rng(0)
-    with tf.device("/CPU:0"):
-        a, b = (tf.cast(tf.constant(rng.random((n, n)), tf.float32), dtype) for _ in range(2))
-    matmul = tf.function(tf.linalg.matmul, jit_compile=False)
-
-    def run():
-        with tf.device("/CPU:0"):
-            return matmul(a, b)[0, 0].numpy()
-
-    return run
 
 
 def train_step_matmuls(model, data):
