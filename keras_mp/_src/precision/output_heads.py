@@ -4,8 +4,8 @@ the heads the head rule asks about (`conditions.may_overflow_float16`).
 Each output is walked back, through the calls that made it, to the first
 layer with weights on each path (`float8.weighs_inputs`), the head whose
 matmul makes it, or to a normalisation, which sets its output's range:
-through layers without weights (`Reshape`, `Activation`) and Keras operations (`ops.squeeze(dense(x))`), into nested models, and
-into a layer with sublayers of its own (a user's `Head` holding a `Dense`,
+through layers without weights (`Reshape`, `Activation`) and Keras
+operations (`ops.squeeze(dense(x))`), into nested models, and into a layer with sublayers of its own (a user's `Head` holding a `Dense`,
 a `TimeDistributed`), whose `call` is traced on KerasTensors so that the
 walk goes on inside it. A subclassed model's outputs are found the same
 way, its `call` traced on the shapes it was built on. The nodes a trace
