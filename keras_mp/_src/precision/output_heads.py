@@ -5,11 +5,12 @@ Each output is walked back, through the calls that made it, to the first
 layer with weights on each path (`float8.weighs_inputs`), the head whose
 matmul makes it, or to a normalisation, which sets its output's range:
 through layers without weights (`Reshape`, `Activation`) and Keras
-operations (`ops.squeeze(dense(x))`), into nested models, and into a layer with sublayers of its own (a user's `Head` holding a `Dense`,
-a `TimeDistributed`), whose `call` is traced on KerasTensors so that the
-walk goes on inside it. A subclassed model's outputs are found the same
-way, its `call` traced on the shapes it was built on. The nodes a trace
-records on the layers it calls are removed when it ends
+operations (`ops.squeeze(dense(x))`), into nested models, and into a layer
+with sublayers of its own (a user's `Head` holding a `Dense`, a
+`TimeDistributed`), whose `call` is traced on KerasTensors so that the walk
+goes on inside it. A subclassed model's outputs are found the same way, its
+`call` traced on the shapes it was built on. The nodes a trace records on
+the layers it calls are removed when it ends
 (`keras_internals.symbolic_calls`): the model is left as it was.
 
 `compile`'s loss is paired with the outputs as Keras pairs it
