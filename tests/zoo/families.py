@@ -4,7 +4,7 @@ Random weights, random data, no downloads: each builder returns
 `(model, x, y, loss)` for a model small enough to build and train a few
 steps in seconds on a CPU, with the same layer classes and the same code
 paths (masks, residuals, gates, BatchNorm, preprocessing layers) as the
-full-size model.
+full-size model. The keras.applications CNNs are built in `applications.py`.
 """
 
 import functools
@@ -12,6 +12,11 @@ import functools
 import keras
 import keras_hub
 import numpy as np
+
+from tests.zoo.applications import convnext
+from tests.zoo.applications import efficientnet
+from tests.zoo.applications import mobilenet_v2
+from tests.zoo.applications import resnet50
 
 VOCAB = 100
 SEQ = 12
@@ -184,18 +189,24 @@ def t5gemma2():
 
 
 def qwen3_5():
-    """KerasHub's Qwen3.5 causal LM: gated delta net (linear attention with a
-    causal convolution and a recurrence) in three layers of four, full
-    attention in the fourth."""
+    """KerasHub's Qwen3.5 causal LM: a gated delta net layer (linear
+    attention with a causal convolution and a chunked recurrence, whose
+    63-step loop per layer is most of its ops) and a full attention layer,
+    at a few heads of 8 (its defaults are 16 and 32 of 128)."""
     rng = _rng()
     backbone = keras_hub.models.Qwen3_5Backbone(
         vocabulary_size=VOCAB,
-        num_layers=4,
+        num_layers=2,
+        layer_types=["linear_attention", "full_attention"],
         num_query_heads=2,
         num_key_value_heads=1,
         head_dim=8,
         hidden_dim=16,
         intermediate_dim=32,
+        linear_num_key_heads=2,
+        linear_num_value_heads=2,
+        linear_key_head_dim=8,
+        linear_value_head_dim=8,
     )
     return _causal_lm(rng, keras_hub.models.Qwen3_5CausalLM(backbone, preprocessor=None))
 
@@ -205,7 +216,15 @@ def rwkv7():
     channel mix); the padded tail's tokens are zeroed in the time mix."""
     rng = _rng()
     backbone = keras_hub.models.RWKV7Backbone(
-        hidden_size=16, head_size=8, num_layers=2, vocabulary_size=VOCAB, intermediate_dim=32
+        hidden_size=16,
+        head_size=8,
+        num_layers=2,
+        vocabulary_size=VOCAB,
+        intermediate_dim=32,
+        gate_lora=8,
+        mv_lora=8,
+        aaa_lora=8,
+        decay_lora=8,
     )
     return _causal_lm(rng, keras_hub.models.RWKV7CausalLM(backbone, preprocessor=None))
 
@@ -242,58 +261,6 @@ def transformer_encoder():
         ids,
         rng.integers(0, 3, BATCH),
         "sparse_categorical_crossentropy",
-    )
-
-
-def _application(constructor, **kwargs):
-    rng = _rng()
-    model = constructor(weights=None, input_shape=(32, 32, 3), classes=3, **kwargs)
-    x = rng.uniform(0, 255, size=(BATCH, 32, 32, 3)).astype("float32")
-    return model, x, rng.integers(0, 3, BATCH), "sparse_categorical_crossentropy"
-
-
-def resnet50():
-    """ResNet50's bottleneck blocks (Conv-BN-ReLU, projection shortcuts) in
-    two stages of one block at a quarter width: Keras's own ResNet builder."""
-    from keras.src.applications.resnet import ResNet
-    from keras.src.applications.resnet import stack_residual_blocks_v1
-
-    def stacks(x):
-        x = stack_residual_blocks_v1(x, 16, 1, stride1=1, name="conv2")
-        return stack_residual_blocks_v1(x, 32, 1, name="conv3")
-
-    return _application(ResNet, stack_fn=stacks, preact=False, use_bias=True, name="resnet50")
-
-
-def mobilenet_v2():
-    return _application(keras.applications.MobileNetV2, alpha=0.35)
-
-
-def efficientnet():
-    """EfficientNetB0's layers (Rescaling and Normalization preprocessing,
-    squeeze-excite gates, drop-connect residuals) in its first three stages
-    at a quarter of the width: Keras's own builder, as EfficientNetB0 is."""
-    from keras.src.applications.efficientnet import DEFAULT_BLOCKS_ARGS
-    from keras.src.applications.efficientnet import EfficientNet
-
-    return _application(
-        EfficientNet,
-        width_coefficient=0.25,
-        depth_coefficient=1.0,
-        default_size=32,
-        blocks_args=DEFAULT_BLOCKS_ARGS[:3],
-        name="efficientnet",
-    )
-
-
-def convnext():
-    """ConvNeXtTiny's layers (LayerNorm, layer scale, a Normalization
-    preprocessing layer) at a small depth and width: ConvNeXtTiny itself has
-    28M parameters whatever the input size. Built by Keras's own builder."""
-    from keras.src.applications.convnext import ConvNeXt
-
-    return _application(
-        ConvNeXt, depths=[1, 1, 2, 1], projection_dims=[16, 32, 64, 128], name="convnext"
     )
 
 
