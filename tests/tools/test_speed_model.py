@@ -3,11 +3,14 @@ and the step's bytes, against arithmetic done here."""
 
 import keras
 import numpy as np
+import pytest
 
 from keras_mp._src.precision import amp_settings
 from keras_mp._src.tools import gpu_peaks
 from keras_mp._src.tools import speed_model
 from keras_mp._src.tools import speed_trace
+
+pytestmark = pytest.mark.one_backend
 
 
 def _model(units):
