@@ -16,9 +16,7 @@ import keras_mp
 from keras_mp._src.precision import output_heads
 
 L = keras.layers
-pytestmark = pytest.mark.skipif(
-    keras.backend.backend() != "torch", reason="the rule's decision: backend-independent"
-)
+pytestmark = pytest.mark.one_backend
 ONES = keras.initializers.Constant(1.0)
 X = np.full((2, 8), 2000.0, "float32")  # 8 * 2000 * 8 = 128000 at a price head
 SCE = "sparse_categorical_crossentropy"
