@@ -147,7 +147,10 @@ def apply(model, amp, set_before=None):
     """`apply_amp` with its settings resolved (`amp_settings.AmpSettings`).
     `set_before`: `{id(layer): (policy name, rule)}` an earlier `apply` set;
     a layer whose policy or rule changed since was set by hand, and keeps it."""
-    named_layers.check_names(model, amp)
+    if model.built or not layer_tree.is_subclassed(model):
+        # A subclassed model's `build` may create the layers named: it is
+        # applied again once built (`when_built`), and checked then.
+        named_layers.check_names(model, amp)
     object.__setattr__(model, _AUTO_ATTRIBUTE, amp.auto)
     outputs = layer_tree.output_layers(model)
     entry_dtype = amp.inner_dtype
