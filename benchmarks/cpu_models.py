@@ -1,14 +1,19 @@
 """The models users train on a CPU: does bfloat16 pay on this processor?
 
 A KerasHub BERT classifier and a GPT-2 language model (hidden 512, 4
-layers, 8 heads, 128 tokens, vocabulary 8192, batch 16) and
-keras.applications' ResNet50 at 96x96 (batch 16, 10 classes), built from
-configs with random weights (nothing downloaded). Per backend, in one
+layers, 8 heads, 128 tokens, vocabulary 8192, batch 16),
+keras.applications' ResNet50 at 96x96 (batch 16, 10 classes), and the
+main job's digits MLP (64 -> 256 -> BatchNorm -> 256 -> 10, batch 32: a
+step its launches dominate, timed `MLP_STEPS` times more steps a round),
+built from configs with random weights (nothing downloaded). Per backend, in one
 process, `train_on_batch` steps of O0, O2 bfloat16, O3 bfloat16 and Keras's
 own `mixed_bfloat16` policy, the configurations alternated round by round,
 medians over rounds; beside them this CPU's flags and the matmul rates
-`amp_level="auto"` decides from (`keras_mp._src.backends.cpu_rates`), what
-`auto` picks, and `speed_report(device="cpu")`'s bound for O2.
+`amp_level="auto"` measures (`keras_mp._src.backends.cpu_rates`), what
+`auto` picks for the model, and `speed_report(device="cpu")`'s bound and
+predicted speed-up for O2 (`predicted_speedup`: the step's matmuls,
+other work, casts and launches at this CPU's measured costs, what `auto`
+decides from).
 
 A configuration whose bfloat16 matmul measured under a tenth of float32's
 rate (PyTorch emulates bfloat16 at about 1 GFLOP/s on a CPU without
@@ -19,6 +24,7 @@ AVX512-BF16) is not timed: a step would take minutes.
 """
 
 import argparse
+import dataclasses
 import os
 import statistics
 import subprocess
@@ -30,15 +36,17 @@ from _common import built_for
 from _common import level_of
 
 BACKENDS = ("tensorflow", "jax", "torch")
-MODELS = ("bert", "gpt2", "resnet50")
+MODELS = ("bert", "gpt2", "resnet50", "mlp")
+MLP_STEPS = 50
 CONFIGS = ("O0", "O2 bfloat16", "O3 bfloat16", "keras mixed_bfloat16")
 BATCH = 16
 TOKENS = 128
 VOCABULARY = 8192
 HEADER = (
     "| backend | model | O0 ms | O2 bfloat16 | O3 bfloat16 | Keras mixed_bfloat16 "
-    "| report's bound (O2) | matmul GFLOP/s (float32 / bfloat16) | memory GB/s |\n"
-    "|---|---|---|---|---|---|---|---|---|"
+    "| report's bound (O2) | predicted (O2) | matmul GFLOP/s (float32 / bfloat16) "
+    "| memory GB/s |\n"
+    "|---|---|---|---|---|---|---|---|---|---|"
 )
 
 
@@ -47,6 +55,19 @@ def _build(keras, name):
     import numpy as np
 
     rng = np.random.default_rng(0)
+    if name == "mlp":
+        layers = keras.layers
+        model = keras.Sequential(
+            [
+                keras.Input((64,)),
+                layers.Dense(256, activation="relu"),
+                layers.BatchNormalization(),
+                layers.Dense(256, activation="relu"),
+                layers.Dense(10, activation="softmax"),
+            ]
+        )
+        x = rng.random((32, 64)).astype("float32")
+        return model, "sparse_categorical_crossentropy", (x, rng.integers(0, 10, size=32))
     if name == "resnet50":
         shape = (96, 96, 3)
         model = keras.applications.ResNet50(weights=None, input_shape=shape, classes=10)
@@ -93,6 +114,7 @@ def run(name, rounds, steps):
 
     import keras_mp
     from keras_mp._src.backends import cpu_rates
+    from keras_mp._src.precision import amp_settings
     from keras_mp._src.precision import auto_level
 
     backend = keras.backend.backend()
@@ -113,8 +135,9 @@ def run(name, rounds, steps):
                 model.train_on_batch(*batch)
             times[config].append((time.perf_counter() - start) / steps)
     median = {c: statistics.median(t) for c, t in times.items()}
-    model, _, batch = _build(keras, name)
+    model, loss, batch = _build(keras, name)
     summary = keras_mp.speed_report(model, batch[0], "O2", "bfloat16", device="cpu").summary
+    predicted = summary["predicted_speedup"]
 
     def cell(config):
         if config not in median:
@@ -124,13 +147,17 @@ def run(name, rounds, steps):
     print(
         f"| {backend} | {name} | {median['O0'] * 1e3:.0f} | {cell('O2 bfloat16')} "
         f"| {cell('O3 bfloat16')} | {cell('keras mixed_bfloat16')} "
-        f"| {summary['speedup_bound_tf32']:.2f} "
+        f"| {summary['speedup_bound_tf32']:.2f} | {predicted:.2f}x "
         f"| {rates['float32'] / 1e9:.0f} / {rates['bfloat16'] / 1e9:.0f} "
         f"| {cpu_rates.memory_bandwidth() / 1e9:.1f} |",
         flush=True,
     )
-    level, dtype, reason = auto_level.pick_auto_level()
-    print(f"# {backend}: auto picks {level} {dtype}: {reason}", flush=True)
+
+    def settings_for(level, half):
+        return dataclasses.replace(amp_settings.for_layers(level, half), loss=loss)
+
+    level, dtype, reason = auto_level.pick_auto_level(None, model, settings_for)
+    print(f"# {backend} {name}: auto picks {level} {dtype}: {reason}", flush=True)
 
 
 def main():
@@ -168,7 +195,7 @@ def main():
 
     keras.config.disable_interactive_logging()
     for name in args.models:
-        run(name, args.rounds, args.steps)
+        run(name, args.rounds, args.steps * (MLP_STEPS if name == "mlp" else 1))
 
 
 if __name__ == "__main__":

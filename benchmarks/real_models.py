@@ -208,7 +208,7 @@ def _peak_rate(gpu, config):
     """The GPU's matmul peak (FLOP/s) for the dtype a configuration's
     matmuls run in: TF32 for O0 as the backend sets it (TensorFlow and JAX;
     PyTorch computes float32), float32 without, FP8 for the float8 level."""
-    from keras_mp._src.tools.gpu_peaks import peaks_of
+    from keras_mp._src.backends.gpu_peaks import peaks_of
 
     peaks = peaks_of(gpu)
     if config == "O0 float32":

@@ -13,8 +13,8 @@ weights, BatchNorm and output in float32, dynamic loss scaling). It shows
 3. O0 and O2 side by side: test accuracy, time per step and the speed-up
    over O0. On a CPU it also trains O2 bfloat16, which CPUs with AVX512-BF16
    or AMX compute natively, and says what `amp_level="auto"` picks on this
-   one and why (a bfloat16 matmul timed against float32's), then what the
-   speed report expects of this model here and on an H100.
+   one and why (this model's step predicted from what it times here), then
+   what the speed report expects of this model here and on an H100.
 
     pip install ".[examples]"
     python examples/train_mixed_precision.py
@@ -265,8 +265,9 @@ def main(args=None):
     if args.epochs == 1:
         print("(one epoch: its times include compiling the step; --epochs 2 or more to compare)")
     if device == "CPU":
-        # `auto` reads this CPU's flags, times a bfloat16 matmul against
-        # float32's where they say it could pay, and says what it picked.
+        # `auto` reads this CPU's flags and, where they say bfloat16 could
+        # pay, predicts this model's step at O0 and O2 from what it times
+        # here; it says what it picked and why.
         print()
         build_model().compile(optimizer="adam", loss="mse", amp_level="auto")
     # What this machine, and a GPU, would give this model (computed, not timed).

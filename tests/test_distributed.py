@@ -26,9 +26,7 @@ LEVELS = ("O0", "O2", "O3", "O3-compensated")
         "tf_fit",
         "tf_custom_loop",
         "tf_save_and_reload_in_scope",
-        "tf_jit_refused",
         "tf_multi_worker",
-        "tf_central_storage_refused",
     ],
 )
 def test_tf_distribute(scenario):

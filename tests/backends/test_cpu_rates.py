@@ -1,4 +1,5 @@
-"""`cpu_rates`: the CPU's matmul rate per dtype, measured once per process."""
+"""`cpu_rates`: the CPU's matmul and elementwise rates per dtype and its
+cost a launch, measured once per process (plausible, not timed here)."""
 
 import time
 
@@ -26,3 +27,18 @@ def test_flags_and_native_bfloat16():
     ]
     assert cpu_rates.native({"avx2"}, "bfloat16") == []
     assert 1e8 < cpu_rates.memory_bandwidth() < 1e13
+
+
+def test_elementwise_rates_and_the_launch_cost_are_measured_once():
+    """Issue 75.5: what a step costs beyond its matmuls, with this backend."""
+    rate = cpu_rates.elementwise_rate("float32")
+    assert 1e6 < rate < 1e12  # values a second
+    each = cpu_rates.launch_seconds("float32")
+    # Microseconds to milliseconds a launch: a step's fixed cost over 20.
+    assert 1e-7 < each < 0.1
+    start = time.perf_counter()
+    assert cpu_rates.elementwise_rate("float32") == rate
+    assert cpu_rates.launch_seconds("float32") == each
+    # Both half dtypes were timed in turns with O0: nothing is timed again.
+    assert all(1e-7 < cpu_rates.launch_seconds(d) < 0.1 for d in ("bfloat16", "float16"))
+    assert time.perf_counter() - start < 0.01

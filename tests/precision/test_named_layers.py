@@ -7,9 +7,7 @@ import pytest
 
 import keras_mp
 
-pytestmark = pytest.mark.skipif(
-    keras.backend.backend() != "torch", reason="a check of the arguments: proven once"
-)
+pytestmark = pytest.mark.one_backend
 
 
 def _model():

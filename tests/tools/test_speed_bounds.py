@@ -22,7 +22,7 @@ import numpy as np
 import pytest
 
 import keras_mp
-from keras_mp._src.tools import gpu_peaks
+from keras_mp._src.backends import gpu_peaks
 
 ROOT = Path(__file__).resolve().parents[2]
 README = ROOT / "benchmarks" / "README.md"
@@ -31,10 +31,7 @@ CPU_NOISE = 0.05
 LEVEL = re.compile(r"^(O[123]) (float16|bfloat16|float8)$")
 NUMBER = re.compile(r"(\d+(?:\.\d+)?)")
 
-pytestmark = pytest.mark.skipif(
-    keras.backend.backend() != "torch",
-    reason="the bound does not depend on the backend: the PyTorch suite checks it",
-)
+pytestmark = pytest.mark.one_backend
 
 
 def sections():
@@ -177,7 +174,7 @@ def bounds(device, name, batch, level, dtype):
 def test_the_readme_has_rows_of_every_kind():
     rows = measured_rows()
     assert {r[2] for r in rows} >= {"gemma", "resnet50", "mlp_large", "transformer_large"}
-    assert {r[2] for r in rows if r[0].startswith("CPU:")} == {"bert", "gpt2", "resnet50"}
+    assert {r[2] for r in rows if r[0].startswith("CPU:")} >= {"bert", "gpt2", "resnet50"}
 
 
 def test_a_cell_it_cannot_read_fails_instead_of_being_skipped():

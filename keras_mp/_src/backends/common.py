@@ -304,14 +304,6 @@ def gpu_name():
     return None
 
 
-def timed_matmul(n, dtype):
-    """A callable running one `n` x `n` x `n` matmul in `dtype` on the CPU as `fit`
-    runs a step's matmuls here, returning when its result is ready (`cpu_rates.py`)."""
-    a = ops.cast(keras.random.uniform((n, n), seed=1), dtype)
-    b = ops.cast(keras.random.uniform((n, n), seed=2), dtype)
-    return lambda: ops.convert_to_numpy(ops.matmul(a, b)[0, 0])
-
-
 def half_attention_needs_float32(dtype):
     """Whether Keras's attention cannot compute in `dtype` here (JAX's CPU)."""
     return False

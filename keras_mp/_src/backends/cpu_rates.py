@@ -8,7 +8,7 @@ say what the processor has, not what the backend does with it, so
 `amp_level="auto"` and the speed report time it: one matmul in each dtype
 at a size models train at (1024 x 1024 x 1024: BERT-base's projections at
 128 tokens and batch 8), run the way `fit` runs a step's matmuls on this
-backend (`backends.current.timed_matmul`), the fastest of a few runs after
+backend (`timed_ops.matmul`), the fastest of a few runs after
 a warm-up (noise only slows a run down: on a 2-core virtual machine the
 median of five moved by 15 % between processes). A dtype costs at most a
 few tenths of a second, once per process: one the backend emulates slowly
@@ -21,6 +21,19 @@ whatever one timing says (a 1024 matmul's float32 rate varied from 78 to
 142 GFLOP/s between processes on a 2-core AMD EPYC without AVX512-BF16,
 so its bfloat16 once timed 1.28x float32's while BERT trained 0.87x as
 fast): `amp_level="auto"` reads the flags first (`auto_level.py`).
+
+A step is more than its matmuls: `elementwise_rate` times one elementwise
+op on 4M values in each dtype as the backend runs it (a CPU computes most
+half elementwise ops by converting to float32: they need not be faster
+than float32's), and `launch_seconds` what a step costs beyond its
+arithmetic, per launch as `precision/step_cost.py` counts them: a proxy of
+`PROXY_DEPTH` Dense(8) layers with Adam, whose arithmetic takes
+microseconds, trained with `train_on_batch` at O0 (float32) and at O2 in
+each half dtype, in turns, the fastest of its steps over its `PROXY_LAUNCHES`. It folds
+in all that a level adds to a small step (the casts, the loss scale's
+check, the skip, half small matmuls that miss the fast path), which is
+why a 64-wide MLP trains slower at O2 bfloat16 than at O0 on a CPU whose
+1024 matmul is 2.5x faster in bfloat16.
 """
 
 import functools
@@ -29,7 +42,7 @@ import time
 
 import numpy as np
 
-from keras_mp._src import backends
+from keras_mp._src.backends import timed_ops
 
 # The matmul's size (m = k = n), and the probe's, timed first: a dtype
 # whose probe says the full size would take longer than PROBE_LIMIT_SECONDS
@@ -42,6 +55,18 @@ PROBE_LIMIT_SECONDS = 0.25
 MIN_RUNS = 2
 MAX_RUNS = 5
 BUDGET_SECONDS = 0.15
+# The elementwise op's size (4M values: a BERT's feed-forward activations
+# at 128 tokens and batch 16); its runs as the matmul's.
+ELEMENTWISE_SIZE = 2**22
+# The proxy of `launch_seconds`, and its launches a step as
+# `step_cost.launches` counts them (each Dense 3 and one per variable; at
+# O2 also the casts: the kernels, biases, the first input and the float32
+# output, forward and back).
+PROXY_DEPTH = 4
+PROXY_WIDTH = 8
+PROXY_LAUNCHES = {"float32": 20, "half": 40}
+PROXY_STEPS = 50
+PROXY_BUDGET_SECONDS = 0.3
 # The CPU flags of native half matmul instructions (x86's, then Arm's).
 NATIVE = {
     "bfloat16": ("avx512_bf16", "amx_bf16", "bf16"),
@@ -78,16 +103,113 @@ def _measure(dtype):
 
 
 def _rate(size, dtype):
-    run = backends.current.timed_matmul(size, dtype)
+    return 2 * size**3 / _fastest(timed_ops.matmul(size, dtype))
+
+
+def elementwise_rate(dtype):
+    """Values a second one elementwise op computes in `dtype` on this CPU
+    with this process's backend (measured once, then cached)."""
+    return _cached(("elementwise", dtype), lambda: _elementwise(dtype))
+
+
+def launch_seconds(dtype):
+    """Seconds a step costs beyond its arithmetic, per launch, at O0
+    (`"float32"`) or at O2 in the half `dtype`, with this process's backend
+    (the proxy's steps, measured once, then cached); None where the proxy
+    cannot train in this process. The proxies of O0 and of both half dtypes
+    are timed in turns, so that a machine's load weighs on each alike:
+    their ratios are what `auto` decides from."""
+    steps = _cached("launch", _proxy_steps)
+    return None if steps is None else steps[dtype]
+
+
+def _cached(key, measure):
+    with _LOCK:
+        if key not in _RATES:
+            _RATES[key] = measure()
+        return _RATES[key]
+
+
+def _elementwise(dtype):
+    run = timed_ops.elementwise(ELEMENTWISE_SIZE, dtype)
+    return ELEMENTWISE_SIZE / _fastest(run)
+
+
+def _fastest(run, most=MAX_RUNS, budget=BUDGET_SECONDS):
     run()  # Compiles it, and warms the caches.
     seconds = []
-    while len(seconds) < MIN_RUNS or (len(seconds) < MAX_RUNS and sum(seconds) < BUDGET_SECONDS):
-        if seconds and seconds[0] > BUDGET_SECONDS:
+    while len(seconds) < MIN_RUNS or (len(seconds) < most and sum(seconds) < budget):
+        if seconds and seconds[0] > budget:
             break  # one run is the budget: an emulated dtype times once
         start = time.perf_counter()
         run()
         seconds.append(time.perf_counter() - start)
-    return 2 * size**3 / min(seconds)
+    return min(seconds)
+
+
+def proxy_model():
+    """The proxy `launch_seconds` trains: `PROXY_DEPTH` Dense layers of
+    `PROXY_WIDTH`, named, and constant (the user's layer names and random
+    draws stay as they would be without it)."""
+    import keras
+
+    constant = keras.initializers.Constant(0.01)
+    return keras.Sequential(
+        [keras.Input((PROXY_WIDTH,), name="keras_mp_proxy_input")]
+        + [
+            keras.layers.Dense(
+                PROXY_WIDTH,
+                kernel_initializer=constant,
+                dtype="float32",  # whatever the global policy
+                name=f"keras_mp_proxy_{i}",
+            )
+            for i in range(PROXY_DEPTH)
+        ],
+        name="keras_mp_launch_proxy",
+    )
+
+
+def _proxy_steps():
+    """`{dtype: per-launch seconds}` of the proxy at O0 (`"float32"`) and at
+    O2 in each half dtype, timed in turns."""
+    try:
+        runs = {dtype: _proxy_step(dtype) for dtype in ("float32", "bfloat16", "float16")}
+        best = _fastest_in_turns(runs, PROXY_STEPS, PROXY_BUDGET_SECONDS)
+    except Exception:  # A step this process cannot run (a distribution that
+        return None  # shards the batch of 8 over its devices): not known.
+    return {
+        dtype: seconds / PROXY_LAUNCHES["float32" if dtype == "float32" else "half"]
+        for dtype, seconds in best.items()
+    }
+
+
+def _proxy_step(dtype):
+    """A step of the proxy at O0 (`"float32"`) or O2 in `dtype`, compiled."""
+    import keras
+
+    model = proxy_model()
+    # keras_mp's own `compile` (installed with it): the level's whole step.
+    level = {} if dtype == "float32" else {"amp_level": "O2", "amp_dtype": dtype}
+    model.compile(optimizer=keras.optimizers.Adam(1e-9), loss="mse", **level)
+    x = np.ones((PROXY_WIDTH, PROXY_WIDTH), "float32")
+    return lambda: model.train_on_batch(x, x)
+
+
+def _fastest_in_turns(runs, most, budget):
+    """`{name: fastest seconds}` of `runs` (`{name: callable}`), each run
+    once to compile, then in turns, `most` rounds or `budget` seconds."""
+    for run in runs.values():
+        run()
+    seconds = {name: [] for name in runs}
+    start_all = time.perf_counter()
+    for _ in range(most):
+        for name, run in runs.items():
+            start = time.perf_counter()
+            run()
+            seconds[name].append(time.perf_counter() - start)
+        if time.perf_counter() - start_all > budget and len(seconds[name]) >= MIN_RUNS:
+            break
+    return {name: min(times) for name, times in seconds.items()}
 
 
 @functools.cache

@@ -182,19 +182,6 @@ def gpu_name():
     return gpus[0].device_kind if gpus else None
 
 
-def timed_matmul(n, dtype):
-    """jit-compiled, on the CPU device, as `fit`'s step is."""
-    import jax
-    import jax.numpy as jnp
-    import numpy as np
-
-    cpu = jax.devices("cpu")[0]
-    rng = np.random.default_rng(0)
-    a, b = (jax.device_put(jnp.asarray(rng.random((n, n)), dtype), cpu) for _ in range(2))
-    matmul = jax.jit(jnp.matmul)
-    return lambda: matmul(a, b).block_until_ready()
-
-
 def half_attention_needs_float32(dtype):
     """JAX's CPU backend has no float16 x float16 -> float32 `dot_general`."""
     import jax

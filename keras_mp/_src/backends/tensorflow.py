@@ -1,9 +1,9 @@
-"""TensorFlow: a stateful step in a graph, a `tf.cond` skip, tf.distribute.
+"""TensorFlow: a stateful step in a graph, a `tf.cond` skip.
 
 The step reads the state, checks the gradients, and decides with `tf.cond`
 on the device; under XLA the conditional stays a real one on a CPU, half
-gradients entering it narrow (`docs/design.md`). Under a strategy the
-finiteness flag is all-reduced: every replica takes the same decision.
+gradients entering it narrow (`docs/design.md`). Under a strategy every
+replica takes the same decision (`tf_distribute`).
 """
 
 import math
@@ -13,21 +13,10 @@ from keras import ops
 
 from keras_mp._src import keras_internals
 from keras_mp._src.backends import common
+from keras_mp._src.backends import tf_distribute
 from keras_mp._src.backends.common import *  # noqa: F401,F403 (the portable hooks)
+from keras_mp._src.backends.tf_distribute import check_compile  # noqa: F401 (the hook)
 from keras_mp._src.optimizer.loss_scale import update
-
-XLA_ACROSS_REPLICAS_MESSAGE = (
-    "keras_mp.LossScaleOptimizer cannot run in an XLA-compiled step "
-    "(`jit_compile=True`) under a tf.distribute strategy with more than one "
-    "replica: the decision to skip a step is taken across replicas, in "
-    "TensorFlow's cross-replica context (`merge_call`), which XLA-compiled "
-    "functions do not support (Keras's built-in LossScaleOptimizer crashes "
-    "there with a `merge_call` RuntimeError, keras-team/keras#21366; Keras "
-    "itself turns XLA off under tf.distribute with jit_compile='auto'). Workarounds: "
-    "compile with `jit_compile=False` (or 'auto'); or use the JAX backend with "
-    "`keras.distribution.DataParallel`, where XLA compiles the whole step, skip included."
-)
-
 
 # -- gradients ---------------------------------------------------------------
 
@@ -162,8 +151,8 @@ def apply(step, grads, trainable_variables, unscaled_by_caller):
 
     if tf.distribute.in_cross_replica_context():
         raise ValueError("apply() must be called in a replica context.")
-    check_strategy(tf.distribute.get_strategy())
-    _check_not_xla_across_replicas()
+    tf_distribute.check_strategy(tf.distribute.get_strategy())
+    tf_distribute.check_not_xla_across_replicas(in_xla_context())
     state = common.read_state(step)
     config = step.config
 
@@ -171,11 +160,17 @@ def apply(step, grads, trainable_variables, unscaled_by_caller):
         if unscaled_by_caller:
             return grads
         of_grads = common.scale_of_grads(step, scale)
+        if of_grads is None and not in_xla_context():
+            # Nothing to unscale (bfloat16's fixed 1), but the gradients must
+            # pass through an op inside the branch (a bare capture fails
+            # TensorFlow's gradient bookkeeping at O3): an Identity, which
+            # copies nothing, where a multiply by 1 wrote every gradient out
+            # again (a ResNet50's 94 MB a step).
+            return _passed_through(unscale(grads, None, skip=step.skip), step.skip)
         if of_grads is None:
-            # A multiply by 1 all the same: the gradients must pass through
-            # an op inside the branch (a bare capture fails TensorFlow's
-            # gradient bookkeeping at O3), and under XLA on a CPU the
-            # barrier (`keep_conditional`) must feed it; x / x is 1.
+            # Under XLA on a CPU the barrier (`keep_conditional`) must feed
+            # an op of the branch; x / x is 1, and XLA fuses the multiply
+            # into the update.
             of_grads = ops.divide(scale, scale)
         return unscale(grads, of_grads, skip=step.skip)
 
@@ -194,37 +189,28 @@ def apply(step, grads, trainable_variables, unscaled_by_caller):
     if not config.checks_finite:
         on_finite()
         return
-    finite = _all_replicas_agree(step.check_finite(origins))
+    finite = tf_distribute.all_replicas_agree(step.check_finite(origins))
     if tf.__internal__.distribute.strategy_supports_no_merge_call():
         # Inside each branch the outcome is known, so `update` builds only
         # that outcome's few ops.
         tf.cond(finite, on_finite, on_overflow)
         return
-    # The inner optimizer calls `merge_call`, which a `cond` in a replica
-    # context cannot contain: take the decision in the cross-replica context,
-    # as Keras's built-in does. Each replica's own (unscaled) gradients
-    # travel through `merge_call`'s arguments, so that every replica applies
-    # its own, and the inner optimizer all-reduces them.
-    replica_grads = unscaled(grads, state.scale)
-
-    def apply_replica_grads(replica_grads):
-        step.apply_inner(list(replica_grads), trainable_variables)
-
-    def cross_replica(distribution, finite, per_replica_grads):
-        # Every replica holds the same global decision: take the first.
-        finite = distribution.experimental_local_results(finite)[0]
-
-        def apply_fn():
-            distribution.extended.call_for_each_replica(
-                apply_replica_grads, args=(per_replica_grads,)
-            )
-
-        tf.cond(finite, apply_fn, lambda: None)
-
-    tf.distribute.get_replica_context().merge_call(
-        cross_replica, args=(finite, tuple(replica_grads))
+    # The inner optimizer calls `merge_call`: decide across replicas.
+    tf_distribute.apply_across_replicas(
+        step, finite, unscaled(grads, state.scale), trainable_variables
     )
     common.assign_state(step, state, update(state, finite, config))
+
+
+def _passed_through(grads, skip):
+    import tensorflow as tf
+
+    def identity(g):
+        if common.is_indexed_slices(g):
+            return with_values(g, tf.identity(g.values))
+        return tf.identity(g)
+
+    return [g if g is None or i in skip else identity(g) for i, g in enumerate(grads)]
 
 
 def check_stateless():
@@ -243,50 +229,6 @@ def log_value(variable):
     return tf.identity(variable.value)
 
 
-def _all_replicas_agree(finite):
-    """The step is finite only if it is finite on every replica.
-
-    Under a strategy each replica sees its own gradients before the inner
-    optimizer all-reduces them: a NaN on one replica must skip the step on
-    all of them, and every replica must update its copy of the state the same
-    way, or the replicas silently diverge. One all-reduce of a scalar.
-    """
-    import tensorflow as tf
-
-    if not tf.distribute.has_strategy() or tf.distribute.in_cross_replica_context():
-        return finite
-    context = tf.distribute.get_replica_context()
-    if context is None or context.num_replicas_in_sync == 1:
-        return finite
-    bad = context.all_reduce(tf.distribute.ReduceOp.SUM, tf.cast(tf.logical_not(finite), "float32"))
-    return tf.equal(bad, 0.0)
-
-
-def _check_not_xla_across_replicas():
-    import tensorflow as tf
-
-    if not tf.distribute.has_strategy() or not in_xla_context():
-        return
-    context = tf.distribute.get_replica_context()
-    if context is not None and context.num_replicas_in_sync > 1:
-        raise RuntimeError(XLA_ACROSS_REPLICAS_MESSAGE)
-
-
-def check_strategy(strategy):
-    """Refuses the strategies the loss-scale step cannot run under."""
-    if type(strategy).__name__ == "CentralStorageStrategy" and strategy.num_replicas_in_sync > 1:
-        raise ValueError(
-            "keras_mp.LossScaleOptimizer does not support "
-            "tf.distribute.experimental.CentralStorageStrategy with more than "
-            "one replica: its variables live on the parameter device, and "
-            "each replica would update the loss-scale state on its own (Keras's "
-            "built-in LossScaleOptimizer fails there too). Use "
-            "tf.distribute.MirroredStrategy, or the JAX backend with "
-            "keras.distribution.DataParallel. Received: "
-            f"CentralStorageStrategy with {strategy.num_replicas_in_sync} replicas"
-        )
-
-
 def as_the_optimizer_sees(variable):
     # Keras's TensorFlow optimizer decays the `tf.Variable`s: its weight
     # decay's name patterns judge their names (the path, and ":0").
@@ -297,20 +239,6 @@ def outside_the_step():
     import tensorflow as tf
 
     return tf.init_scope()
-
-
-def check_compile(model):
-    """At `compile`: the strategy, and XLA across replicas."""
-    strategy = getattr(model, "_distribute_strategy", None)
-    if strategy is None:
-        return
-    check_strategy(strategy)
-    if model.jit_compile is True and strategy.num_replicas_in_sync > 1:
-        raise ValueError(
-            XLA_ACROSS_REPLICAS_MESSAGE
-            + f" Received: jit_compile=True with {type(strategy).__name__} "
-            f"({strategy.num_replicas_in_sync} replicas)"
-        )
 
 
 # -- the doctor and the device --------------------------------------------------
@@ -341,24 +269,6 @@ def gpu_name():
     if not gpus:
         return None
     return tf.config.experimental.get_device_details(gpus[0]).get("device_name")
-
-
-def timed_matmul(n, dtype):
-    """A graph (`tf.function`) without XLA, on the CPU: what `fit` runs on a
-    machine without a GPU (Keras turns XLA off there)."""
-    import numpy as np
-    import tensorflow as tf
-
-    rng = np.random.default_rng(0)
-    with tf.device("/CPU:0"):
-        a, b = (tf.cast(tf.constant(rng.random((n, n)), tf.float32), dtype) for _ in range(2))
-    matmul = tf.function(tf.linalg.matmul, jit_compile=False)
-
-    def run():
-        with tf.device("/CPU:0"):
-            return matmul(a, b)[0, 0].numpy()
-
-    return run
 
 
 def train_step_matmuls(model, data):

@@ -32,19 +32,21 @@ _CONVOLUTIONS = {
 def matmuls(graph):
     """`(kind, dtype, flops)` of each matmul ("dot") and convolution of
     `graph` and of the functions it calls."""
-    found, seen, stack = [], set(), [graph]
+    return [entry for entry in map(_census, operations(graph)) if entry is not None]
+
+
+def operations(graph):
+    """The ops of `graph` and of the functions it calls, each function once."""
+    seen, stack = set(), [graph]
     functions = getattr(graph, "_functions", {})
     while stack:
         for op in stack.pop().get_operations():
-            entry = _census(op)
-            if entry is not None:
-                found.append(entry)
+            yield op
             for name in _called(op):
                 function = functions.get(name)
                 if name not in seen and getattr(function, "graph", None) is not None:
                     seen.add(name)
                     stack.append(function.graph)
-    return found
 
 
 # The gradient tape's ops, by the name scope TensorFlow gives them.

@@ -215,15 +215,6 @@ def gpu_name():
     return torch.cuda.get_device_name(0) if torch.cuda.is_available() else None
 
 
-def timed_matmul(n, dtype):
-    """Eager, on the CPU, as Keras's PyTorch backend runs a step."""
-    import torch
-
-    generator = torch.Generator().manual_seed(0)
-    a, b = (torch.rand((n, n), generator=generator).to(getattr(torch, dtype)) for _ in range(2))
-    return lambda: torch.matmul(a, b)[0, 0].item()
-
-
 def computes_half_matmuls(dtype):
     import torch
 

@@ -97,6 +97,10 @@ def _compile_with_amp(
     # `allow`/`deny`: those of the model's latest `apply_amp` unless given:
     # a layer the user denied there stays float32 under `compile`.
     allow, deny = policies.layer_lists(self)
+    bound = _keras_compile_signature.bind(self, *args, **kwargs)
+    bound.apply_defaults()
+    arguments = dict(bound.arguments)
+    arguments.pop("self")
     amp = amp_settings.for_compile(
         amp_level,
         amp_dtype,
@@ -107,11 +111,9 @@ def _compile_with_amp(
         deny if amp_deny is None else amp_deny,
         shard_optimizer_state,
         float8_recipe,
+        model=self,
+        loss=arguments.get("loss"),
     )
-    bound = _keras_compile_signature.bind(self, *args, **kwargs)
-    bound.apply_defaults()
-    arguments = dict(bound.arguments)
-    arguments.pop("self")
     # The loss tells the head rule what the outputs hold (`output_losses.py`).
     amp = dataclasses.replace(amp, loss=arguments.get("loss"))
     given = keras.optimizers.get(arguments["optimizer"])

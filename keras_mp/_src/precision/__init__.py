@@ -1,6 +1,7 @@
 """Precision: which layer computes in what, and why.
 
-The levels (`levels`, `amp_settings`, `auto_level`), the rules as a table
+The levels (`levels`, `amp_settings`, `auto_level`), what a level costs a
+step (`speed_trace`, `step_cost`: shared with the speed report), the rules as a table
 (`layer_kinds`, `rules`), walks of the layer tree (`layer_tree`), the
 layer names in `allow`/`deny` checked against the model (`named_layers`), setting
 the policies (`policies`), the casts at layers' boundaries (`boundaries`,

@@ -206,8 +206,11 @@ def for_compile(
     amp_deny=(),
     shard_optimizer_state=False,
     float8_recipe=None,
+    model=None,
+    loss=None,
 ):
-    """`compile(amp_level=...)`'s settings; `"auto"` is picked here, once."""
+    """`compile(amp_level=...)`'s settings; `"auto"` is picked here, once,
+    for `model` (its step predicted, with `loss` for the head rule)."""
     if amp_level != "auto":
         get_level(amp_level, "amp_level", also=("auto",))
     given_half = (
@@ -227,7 +230,12 @@ def for_compile(
     deny = check_layer_list(amp_deny, "amp_deny")
     auto = None
     if amp_level == "auto":
-        name, auto_dtype, reason = pick_auto_level(given_half)
+
+        def settings_for(name, half):
+            settings = for_layers(name, half, keep_batchnorm_fp32, allow, deny)
+            return dataclasses.replace(settings, loss=loss)
+
+        name, auto_dtype, reason = pick_auto_level(given_half, model, settings_for)
         level = get_level(name)
         half = given_half or auto_dtype
         if level.computes_in_half:

@@ -3,13 +3,14 @@ the heads the head rule asks about (`conditions.may_overflow_float16`).
 
 Each output is walked back, through the calls that made it, to the first
 layer with weights on each path (`float8.weighs_inputs`), the head whose
-matmul makes it: through layers without weights (`Reshape`, `Activation`)
-and Keras operations (`ops.squeeze(dense(x))`), into nested models, and
-into a layer with sublayers of its own (a user's `Head` holding a `Dense`,
-a `TimeDistributed`), whose `call` is traced on KerasTensors so that the
-walk goes on inside it. A subclassed model's outputs are found the same
-way, its `call` traced on the shapes it was built on. The nodes a trace
-records on the layers it calls are removed when it ends
+matmul makes it, or to a normalisation, which sets its output's range:
+through layers without weights (`Reshape`, `Activation`) and Keras
+operations (`ops.squeeze(dense(x))`), into nested models, and into a layer
+with sublayers of its own (a user's `Head` holding a `Dense`, a
+`TimeDistributed`), whose `call` is traced on KerasTensors so that the walk
+goes on inside it. A subclassed model's outputs are found the same way, its
+`call` traced on the shapes it was built on. The nodes a trace records on
+the layers it calls are removed when it ends
 (`keras_internals.symbolic_calls`): the model is left as it was.
 
 `compile`'s loss is paired with the outputs as Keras pairs it
@@ -32,6 +33,7 @@ from keras_mp._src.precision import layer_tree
 from keras_mp._src.precision import output_losses
 from keras_mp._src.precision.float8 import weighs_inputs
 from keras_mp._src.precision.layer_kinds import bounded_activation
+from keras_mp._src.precision.layer_kinds import is_normalization
 
 
 @dataclasses.dataclass
@@ -76,8 +78,12 @@ def find(model, loss):
     with contextlib.ExitStack() as stack:
         outputs, consumed = walk.outputs_of(model, stack)
         if outputs is None:
-            heads.losses[("output", 0)] = output_losses.kinds(loss, 0).get(0)
-            walk.guess(model, ("output", 0), False)
+            # Its call could not be traced: as many heads as `compile`'s
+            # losses, its last layers with weights, each given the most
+            # cautious of the losses (which reads which is not known).
+            given = output_losses.several(loss)
+            heads.losses[("output", 0)] = given[0] if given else None
+            walk.guess(model, ("output", 0), False, heads=max(1, len(given)))
         else:
             flat = keras.tree.flatten(outputs)
             leaves = keras.tree.pack_sequence_as(outputs, list(range(len(flat))))
@@ -167,7 +173,12 @@ def _new_tensors(layer, arguments, fill):
 
 
 def _bounds_its_outputs(layer):
-    return bounded_activation(layer) is not None or isinstance(layer, keras.layers.Softmax)
+    # A normalisation's output is its scale times a unit-variance tensor.
+    return (
+        bounded_activation(layer) is not None
+        or isinstance(layer, keras.layers.Softmax)
+        or is_normalization(layer)
+    )
 
 
 def _operation(output):
@@ -263,7 +274,9 @@ class _Walk:
         inside it; None: all its outputs)."""
         if not layer_tree.is_container(layer):
             bounded = self.add(layer, key, bounded)
-            if weighs_inputs(layer):
+            # A norm sets its output's range, whatever made its input (a
+            # backbone's residual stream ends in one).
+            if weighs_inputs(layer) or is_normalization(layer):
                 return False
         if not layer_tree.has_sublayers(layer):
             return True
@@ -297,11 +310,11 @@ class _Walk:
             bounded = self.heads.layers.get(id(layer), (None, bounded))[1]
         return True
 
-    def guess(self, layer, key, bounded):
+    def guess(self, layer, key, bounded, heads=1):
         """Where a call cannot be traced: the last layer with weights it
-        runs (`float8.weighted_in_call_order`) is the head; with none, the
-        walk goes on before it (returns True)."""
-        last = float8.weighted_in_call_order(layer)[-1:]
+        runs (`float8.weighted_in_call_order`; the last `heads` of them) is
+        the head; with none, the walk goes on before it (returns True)."""
+        last = float8.weighted_in_call_order(layer)[-heads:]
         for head in last:
             if id(head) not in self.heads.layers:
                 self.add(head, key, bounded)

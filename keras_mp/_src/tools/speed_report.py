@@ -25,22 +25,27 @@ would set):
 - what to change, ranked by the time it would save.
 
 It is a bound, not a measurement: peaks are never reached, elementwise work
-fuses, and launch and host costs are only counted for the warning. The GPU
-issue compares it with the clock (`benchmarks/README.md`).
+fuses, and launch and host costs are only counted for the warning (launches
+at 5 us on a GPU, at the cost one measured with this backend on a CPU),
+which leads the verdict where they exceed the step's work. On a CPU the
+report also predicts the step's speed-up, launches and elementwise work
+counted (`precision/step_time.py`, what `amp_level="auto"` decides from).
+`benchmarks/README.md` compares both with the clock.
 """
 
 import dataclasses
 
+from keras_mp._src.backends import gpu_peaks
 from keras_mp._src.optimizer import low_precision_state
 from keras_mp._src.precision import amp_settings
-from keras_mp._src.precision.float8 import Float8Recipe
+from keras_mp._src.precision import speed_trace
+from keras_mp._src.precision import step_cost
+from keras_mp._src.precision import step_time
 from keras_mp._src.precision.levels import FLOAT8
-from keras_mp._src.precision.levels import FLOAT8_LEVELS
 from keras_mp._src.precision.levels import HALF_DTYPES
 from keras_mp._src.precision.policies import check_model
-from keras_mp._src.tools import gpu_peaks
 from keras_mp._src.tools import speed_model
-from keras_mp._src.tools import speed_trace
+from keras_mp._src.tools import speed_verdict
 from keras_mp._src.tools import table
 
 
@@ -119,8 +124,8 @@ def speed_report(
     if moment_dtypes == "model":
         moment_dtypes = speed_model.moments_of(model)
     moment_dtypes = low_precision_state.check_argument(moment_dtypes)
-    at_level = speed_model.accounts_at(model, calls, amp)
-    at_o0 = speed_model.accounts_at(model, calls, reference)
+    at_level = step_cost.accounts_at(model, calls, amp)
+    at_o0 = step_cost.accounts_at(model, calls, reference)
     memory = {
         name: speed_model.memory(
             model,
@@ -138,15 +143,26 @@ def speed_report(
         "O0, float32": speed_model.step_seconds(at_o0, memory["O0"], peaks, tf32=False),
         level: speed_model.step_seconds(at_level, memory[level], peaks, tf32=True),
     }
-    # Forward and two backward kernels a layer, one a cast, one update a variable.
-    launches = sum(3 + a.casts for a in at_level.values() if a.flops or a.moved)
-    launches += len(model.trainable_variables)
-    launch_seconds = launches * gpu_peaks.LAUNCH_SECONDS
+    # Forward and two backward kernels a layer, one a cast, one update a
+    # variable; at what one costs on the GPU, or this CPU with this backend
+    # (its proxy's step: not known for a CPU's `Peaks` of one's own).
+    launches = step_time.launches(model, at_level)
+    half = "bfloat16" if amp.float8 is not None else amp.half
+    each = peaks.launch_seconds(half if amp.level.computes_in_half else "float32")
+    launch_seconds = launches * (each or 0.0)
+    predicted = None
+    if peaks.kind == "cpu" and each:
+        # The whole step, launches and elementwise work too (`step_time.py`).
+        predicted = step_time.predict(model, calls, reference, amp, peaks, slots).speedup
     summary = _summary(
         level, dtype, peaks, at_level, memory, times, launches, launch_seconds, replicas
     )
-    summary["advice"] = _advice(at_level, peaks, times[level], launch_seconds, amp.half)
-    summary["advice"] += _float8_advice(model, calls, amp, at_level, peaks)
+    summary["predicted_speedup"] = predicted
+    summary["verdict"] = speed_verdict.verdict(summary, peaks, each)
+    summary["advice"] = speed_verdict.advice(
+        at_level, peaks, times[level], launch_seconds, amp.half
+    )
+    summary["advice"] += speed_verdict.float8_advice(model, calls, amp, at_level, peaks)
     summary["advice"] = [text for _, text in sorted(summary["advice"], key=lambda e: -e[0])][:8]
     rows = [_row(a, peaks) for a in at_level.values() if a.flops or a.casts]
     text = _render(rows, summary, level, dtype)
@@ -157,52 +173,15 @@ def speed_report(
 
 
 def _summary(level, dtype, peaks, accounts, memory, times, launches, launch_s, replicas):
+    """The numbers of the report; `speed_verdict` says what they mean."""
     flops = sum(a.step_flops for a in accounts.values())
     half = sum(a.step_flops for a in accounts.values() if a.dtype in HALF_DTYPES)
     share = half / flops if flops else 0.0
     fp8 = sum(a.step_flops for a in accounts.values() if a.matmul == FLOAT8)
     fp8_share = fp8 / flops if flops else 0.0
-    in_fp8 = ""
-    if fp8:
-        in_fp8 = f", {fp8_share:.0%} in FP8"
-        if peaks.float8 is None:
-            where = peaks.name if peaks.kind == "cpu" else f"the {peaks.name}"
-            in_fp8 += f" (no FP8 matmul unit on {where}: bfloat16's rate)"
     bound = times["O0, TF32"] / times[level]
     strict = times["O0, float32"] / times[level]
-    launch_bound = peaks.kind == "gpu" and launch_s > times[level]
-    if peaks.kind == "cpu":
-        matmul_dtype = "bfloat16" if dtype == FLOAT8 else dtype
-        rate = peaks.matmul_rate(matmul_dtype) / peaks.float32
-        verdict = (
-            f"{level} {dtype} on {peaks.name}: a {matmul_dtype} matmul ran at {rate:.2f}x "
-            f"float32's rate here; at most {bound:.2f}x the float32 step; {share:.0%} of "
-            f"the matmul FLOPs in half{in_fp8}."
-        )
-        if not peaks.native_half(matmul_dtype):
-            verdict += (
-                f" This CPU has no native {matmul_dtype} instructions: it converts to "
-                "float32 to multiply, so expect little or no speed-up"
-                + (
-                    "; it has native bfloat16 (amp_dtype='bfloat16')."
-                    if "bfloat16" in (peaks.native or ())
-                    else "."
-                )
-            )
-    elif launch_bound:
-        verdict = (
-            f"{level} {dtype} on an {peaks.name}: expect no speed-up: a step is "
-            f"{launches} kernel launches (~{launch_s * 1e3:.2f} ms) for "
-            f"~{times[level] * 1e3:.3f} ms of work, too small for them to be "
-            f"hidden (a larger batch or model); its work alone would give at most "
-            f"{bound:.1f}x over float32 with TF32 on ({strict:.1f}x with it off)."
-        )
-    else:
-        verdict = (
-            f"{level} {dtype} on an {peaks.name}: at most {bound:.1f}x the float32 "
-            f"step with TF32 on (TensorFlow's default there), {strict:.1f}x with "
-            f"TF32 off; {share:.0%} of the matmul FLOPs in half{in_fp8}."
-        )
+    launch_bound = launch_s > times[level]
     return {
         "level": level,
         "dtype": dtype,
@@ -219,110 +198,7 @@ def _summary(level, dtype, peaks, accounts, memory, times, launches, launch_s, r
         "kernel_launches": launches,
         "launch_seconds": launch_s,
         "launch_bound": launch_bound,
-        "verdict": verdict,
     }
-
-
-# Float32 rows that `allow=` overrides: the user's composite layers at O2 in
-# float16, what O1's allow-list leaves out.
-_LIFTABLE = ("allow= for half", "not on the allow-list")
-
-
-def _advice(accounts, peaks, step, launch_s, dtype):
-    """What to change, ranked by the seconds a step would save; the same
-    finding at several layers of one class is one line."""
-    found = {}  # (what, class) -> [seconds, layer names, text]
-
-    def add(key, seconds, layer, text):
-        entry = found.setdefault(key, [0.0, [], text])
-        entry[0] += seconds
-        entry[1].append(f"`{_name(layer)}`")
-
-    for a in accounts.values():
-        kind = type(a.layer).__name__
-        bad = speed_trace.misaligned(a.dims)
-        if bad and a.dtype in HALF_DTYPES and a.flops and peaks.kind == "gpu":
-            now = a.step_flops / peaks.matmul_rate(a.dtype, aligned=False)
-            padded = a.step_flops / peaks.matmul_rate(a.dtype)
-            what = ", ".join(f"{k}={v} -> {-(-v // 8) * 8}" for k, v in bad)
-            add(
-                ("pad", kind, what),
-                now - padded,
-                a.layer,
-                f"pad {what} ({kind}): tensor cores need multiples of 8",
-            )
-        if a.dtype == "float32" and a.flops:
-            in_half = a.step_flops * (
-                1 / peaks.matmul_rate("float32", tf32=True) - 1 / peaks.matmul_rate(dtype)
-            )
-            if any(t in a.reason for t in _LIFTABLE):
-                add(
-                    ("allow", kind),
-                    in_half,
-                    a.layer,
-                    f"{kind} computes in float32 ({a.reason}): `allow=[...]` lifts it",
-                )
-        if a.cast_bytes:
-            add(
-                ("casts", kind, a.dtype),
-                a.cast_bytes / peaks.bandwidth,
-                a.layer,
-                f"casts in and out of {kind} ({a.dtype})",
-            )
-    advice = [(seconds, text, names) for seconds, names, text in found.values()]
-    if peaks.kind == "gpu" and launch_s > step:
-        advice.append(
-            (launch_s - step, "a larger batch: the step is bound by its kernel launches", [])
-        )
-    lines = []
-    for seconds, text, names in advice:
-        where = ""
-        if names:
-            where = (
-                " at "
-                + ", ".join(names[:3])
-                + (f" and {len(names) - 3} more" if len(names) > 3 else "")
-            )
-        lines.append((seconds, f"{text}{where} (~{seconds * 1e6:.1f} us a step)"))
-    return lines
-
-
-def _float8_advice(model, calls, amp, accounts, peaks):
-    """Where FP8 would help on this GPU, as `(seconds, text)`: at a half
-    level, `amp_dtype="float8"`; at the float8 level, the layers its rules
-    keep in bfloat16 (first, output, misaligned)."""
-    if peaks.float8 is None or amp.name not in FLOAT8_LEVELS:
-        return []
-    if amp.float8 is None:
-        as_fp8 = dataclasses.replace(amp, half="bfloat16", float8=Float8Recipe())
-        candidates = speed_model.accounts_at(model, calls, as_fp8)
-    else:
-        allowed = tuple(a.layer for a in accounts.values() if a.matmul != FLOAT8 and a.flops)
-        as_fp8 = dataclasses.replace(amp, allow=amp.allow + allowed)
-        candidates = speed_model.accounts_at(model, calls, as_fp8)
-    saved, names, kinds = 0.0, [], set()
-    for key, a in candidates.items():
-        now = accounts.get(key)
-        if a.matmul != FLOAT8 or now is None or now.matmul == FLOAT8:
-            continue
-        saved += speed_model.layer_seconds(now, peaks, True) - speed_model.layer_seconds(
-            a, peaks, True
-        )
-        saved -= (a.cast_bytes - now.cast_bytes) / peaks.bandwidth
-        names.append(f"`{_name(a.layer)}`")
-        kinds.add(type(a.layer).__name__)
-    if saved <= 0:
-        return []
-    where = ", ".join(names[:3]) + (f" and {len(names) - 3} more" if len(names) > 3 else "")
-    if amp.float8 is None:
-        text = f"amp_dtype='float8': FP8 matmuls at {where} ({', '.join(sorted(kinds))})"
-    else:
-        text = f"allow=[...] (first or output layer) or padding to 16 puts {where} in FP8"
-    return [(saved, f"{text} (~{saved * 1e6:.1f} us a step)")]
-
-
-def _name(layer):
-    return layer.path if getattr(layer, "path", None) else layer.name
 
 
 def _row(a, peaks):
@@ -340,7 +216,7 @@ def _row(a, peaks):
     else:
         cores = "yes"
     return {
-        "layer": _name(a.layer),
+        "layer": speed_verdict.layer_name(a.layer),
         "class": type(a.layer).__name__,
         "dtype": a.matmul or a.dtype,
         "flops": a.step_flops,

@@ -3,7 +3,9 @@ and what a GPU without a unit falls back to."""
 
 import pytest
 
-from keras_mp._src.tools import gpu_peaks
+from keras_mp._src.backends import gpu_peaks
+
+pytestmark = pytest.mark.one_backend
 
 
 def test_h100_rates_are_the_data_sheets():

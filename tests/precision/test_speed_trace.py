@@ -5,7 +5,7 @@ import keras
 import numpy as np
 import pytest
 
-from keras_mp._src.tools import speed_trace
+from keras_mp._src.precision import speed_trace
 
 L = keras.layers
 

@@ -1,5 +1,6 @@
-"""Peak rates of the devices the speed report predicts for, as data: the
-GPUs' from their data sheets, this machine's CPU measured (`this_cpu`).
+"""Peak rates of the devices the speed report and `amp_level="auto"`
+predict for, as data: the GPUs' from their data sheets, this machine's
+CPU measured (`this_cpu`).
 
 Dense (not sparse) tensor-core rates from NVIDIA's data sheets, in FLOP/s,
 and memory bandwidth in bytes/s. A rate of None means the GPU has no such
@@ -51,6 +52,13 @@ class Peaks:
     # A CPU's half dtypes with native matmul instructions (from its flags),
     # or None: not known (every dtype judged by its rate).
     native: object = None
+    # What a step costs per launch (`step_time.launches`), by the dtype it
+    # computes in ("float32": O0's; a half dtype: O2's): a dict or a
+    # callable; None: `LAUNCH_SECONDS` on a GPU, not known on a CPU.
+    launch: object = None
+    # Values a second one elementwise op computes, by dtype: a dict or a
+    # callable; None: the memory bandwidth's, each value read and written.
+    elementwise: object = None
 
     def __post_init__(self):
         if self.kind not in ("gpu", "cpu"):
@@ -87,6 +95,18 @@ class Peaks:
         """Whether the device multiplies `dtype` natively: a GPU's tensor
         cores; a CPU's flags (`native`; None: not known)."""
         return self.kind != "cpu" or self.native is None or dtype in self.native
+
+    def launch_seconds(self, dtype):
+        """Seconds a launch costs a step computing in `dtype` (None: not known)."""
+        if self.launch is None:
+            return LAUNCH_SECONDS if self.kind == "gpu" else None
+        return self.launch(dtype) if callable(self.launch) else self.launch.get(dtype)
+
+    def elementwise_rate(self, dtype):
+        """Values a second an elementwise op computes in `dtype`."""
+        if self.elementwise is None:
+            return self.bandwidth / (2 * (4 if dtype == "float32" else 2))
+        return self.elementwise(dtype) if callable(self.elementwise) else self.elementwise[dtype]
 
     def o0_rate(self, tf32):
         """FLOP/s the bound charges O0's float32 matmuls at (`O0_ATTAINED`)."""
@@ -162,9 +182,11 @@ def gpu_of_name(name):
     )
 
 
-def this_cpu():
+def this_cpu(half=("float16", "bfloat16")):
     """This machine's CPU with this process's backend: matmul rates and
-    memory bandwidth measured (`cpu_rates.py`, once per process)."""
+    memory bandwidth measured (`cpu_rates.py`, once per process); the half
+    dtypes not in `half` at float32's rate, not timed. Launches and
+    elementwise ops are timed when first asked for."""
     from keras_mp._src import backends
     from keras_mp._src.backends import cpu_rates
 
@@ -176,8 +198,10 @@ def this_cpu():
     return Peaks(
         f"{cpu_rates.cpu_name()} ({', '.join(native) or 'no native bfloat16'}) "
         f"with {backends.current.NAME}",
-        float16=cpu_rates.matmul_rate("float16") if computes_float16 else float32,
-        bfloat16=cpu_rates.matmul_rate("bfloat16"),
+        float16=cpu_rates.matmul_rate("float16")
+        if computes_float16 and "float16" in half
+        else float32,
+        bfloat16=cpu_rates.matmul_rate("bfloat16") if "bfloat16" in half else float32,
         tf32=None,
         float32=float32,
         bandwidth=cpu_rates.memory_bandwidth(),
@@ -185,4 +209,6 @@ def this_cpu():
         native=tuple(d for d in ("float16", "bfloat16") if cpu_rates.native(flags, d))
         if flags
         else None,
+        launch=cpu_rates.launch_seconds,
+        elementwise=cpu_rates.elementwise_rate,
     )
