@@ -125,8 +125,17 @@ def _serve(signature, x):
 
 
 def _graph_dtypes(signature):
-    """The dtypes of the tensors the served TensorFlow graph computes."""
-    return {t.dtype.name for op in signature.graph.get_operations() for t in op.outputs}
+    """The dtypes the served TensorFlow graph's ops compute in, inside the
+    functions it calls too (a signature's own graph is one call)."""
+    tf = _tf()
+    graph = signature.graph.as_graph_def()
+    nodes = [*graph.node, *(n for f in graph.library.function for n in f.node_def)]
+    return {
+        tf.dtypes.as_dtype(t).name
+        for n in nodes
+        for a in n.attr.values()
+        for t in ([a.type] if a.HasField("type") else list(a.list.type))
+    }
 
 
 def _assets_written(caplog):
