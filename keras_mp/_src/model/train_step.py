@@ -202,19 +202,13 @@ class _StepFlags:
         return used or self.optimizers
 
 
-def _bad_metrics(skipped, metrics, before):
+def _bad_metrics(skipped, metrics):
     """Whether to put the metrics back: the step was skipped and the batch
-    made one of them non-finite (a NaN batch; an overflow's loss is finite),
-    and they held something before it. Metrics that held nothing (every
-    step so far non-finite) keep it: the loss reads inf or NaN, as it is,
-    not an empty mean's 0."""
-    floats = [keras.backend.is_float_dtype(m.dtype) for m in metrics]
-    finite = [ops.all(ops.isfinite(m)) for m, f in zip(metrics, floats) if f]
+    made one of them non-finite (a NaN batch; an overflow's loss is finite)."""
+    finite = [ops.all(ops.isfinite(m)) for m in metrics if keras.backend.is_float_dtype(m.dtype)]
     if not finite:
         return skipped
-    held = ops.any(ops.stack([ops.any(ops.not_equal(b, 0)) for b, f in zip(before, floats) if f]))
-    bad = ops.logical_not(ops.all(ops.stack(finite)))
-    return ops.logical_and(ops.logical_and(skipped, bad), held)
+    return ops.logical_and(skipped, ops.logical_not(ops.all(ops.stack(finite))))
 
 
 def _stateful_train_step(original, model, optimizers, guard):
@@ -250,9 +244,7 @@ def _stateful_train_step(original, model, optimizers, guard):
                 for (_, o), before in zip(optimizers, skipped_before)
             ]
             skipped = moved[0] if len(moved) == 1 else ops.any(ops.stack(moved))
-            bad_metrics = _bad_metrics(
-                skipped, [v.value for v, _ in metrics], [old for _, old in metrics]
-            )
+            bad_metrics = _bad_metrics(skipped, [v.value for v, _ in metrics])
             for restore, pairs in ((skipped, state), (bad_metrics, metrics)):
                 for variable, old in pairs:
                     variable.assign(ops.where(restore, old, variable.value))
@@ -369,7 +361,7 @@ def _stateless_train_step(original, model, optimizers, guard):
             non_trainable = [
                 ops.where(skipped, old, new) for old, new in zip(old_non_trainable, non_trainable)
             ]
-            bad_metrics = _bad_metrics(skipped, metrics, state[3])
+            bad_metrics = _bad_metrics(skipped, metrics)
             metrics = [ops.where(bad_metrics, old, new) for old, new in zip(state[3], metrics)]
         if _batch_telemetry(model):
             values = {"optimizer": (optimizer_values[scale_at], optimizer_values[skipped_at])}
