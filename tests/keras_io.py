@@ -88,8 +88,10 @@ def classifier(width, name):
     )
 
 
-def distiller():
-    """A Distiller whose teacher has been trained (float32), seeded."""
+@functools.lru_cache(maxsize=None)
+def _trained_teacher_weights():
+    """The teacher keras-io trains before it distills (float32), trained
+    once a process: each distiller starts from the same teacher."""
     keras.utils.set_random_seed(1)
     x, y = digits()
     teacher = classifier(16, "teacher")
@@ -98,6 +100,15 @@ def distiller():
         loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
     )
     teacher.fit(x, y, epochs=3, batch_size=64, verbose=0)
+    return teacher.get_weights()
+
+
+def distiller():
+    """A Distiller whose teacher has been trained (float32), seeded."""
+    teacher_weights = _trained_teacher_weights()
+    keras.utils.set_random_seed(1)
+    teacher = classifier(16, "teacher")
+    teacher.set_weights(teacher_weights)
     return Distiller(student=classifier(8, "student"), teacher=teacher)
 
 

@@ -1,8 +1,11 @@
-"""Every example runs on every backend it supports, with flags for a few
-steps; `--help` answers before Keras loads. The main job also runs as a user
-runs it (its own process: no TensorFlow start-up lines); the others run in
-this process through their `main`, which saves an import of every framework
-per example.
+"""Every example runs, with the fewest steps its flags allow; `--help`
+answers before Keras loads. What an example shows that unit tests prove on
+each backend (the loss scale, the skip, saving, export) runs once, the
+cells rotated over the backends (LeNet-5 on PyTorch, the others on
+TensorFlow); the GAN, whose example holds a training step per backend, runs
+on each. The main job runs as a user runs it (its own process: no
+TensorFlow start-up lines); the others run in this process through their
+`main`, which saves an import of every framework per example.
 
 `custom_training_loop.py` is run by `test_readme.py` (its loops are the
 README's), the notebook by `test_notebook.py`.
@@ -40,8 +43,20 @@ def _main(name, capsys, *args):
     return capsys.readouterr().out
 
 
-def test_main_job_shows_the_scale_the_skip_and_both_levels(capsys):
-    out = _main("train_mixed_precision.py", capsys, "--epochs", "2", "--steps", "12")
+ONCE = pytest.mark.skipif(
+    BACKEND != "tensorflow", reason="what it shows is proven on each backend by unit tests"
+)
+
+
+@ONCE
+def test_main_job_as_a_user_runs_it_shows_the_scale_the_skip_and_both_levels():
+    # Two steps: the scale (2**24) overflows and halves on each, the story's
+    # first line. One epoch: its times include compiling the step, which
+    # the table's arithmetic does not mind.
+    result = _run("train_mixed_precision.py", "--epochs", "1", "--steps", "2")
+    out = result.stdout
+    # As a user runs it: quiet, without TensorFlow's native start-up lines.
+    assert "absl::InitializeLog" not in result.stderr and "I0000" not in result.stderr
     # The scale starts at 2**24 and backs off on the first overflowing steps.
     assert re.search(r"steps 1-\d+: +overflow: skipped, the scale halved each time", out), out
     assert "then it held at" in out
@@ -52,8 +67,9 @@ def test_main_job_shows_the_scale_the_skip_and_both_levels(capsys):
         m[0]: m
         for m in re.findall(r"^(O[02] \w+) +([\d.]+) +([\d.]+) ms +([\d.]+)x +(\S+)$", out, re.M)
     }
-    # Issue 64.4: on a CPU, O2 bfloat16 beside them, and what `auto` picks
-    # here and why; the speed reports for this machine and for an H100.
+    # Issue 64.4: on a CPU, O2 bfloat16 beside them (no loss scale: a fixed
+    # 1 that skips a non-finite step), and what `auto` picks here and why;
+    # the speed reports for this machine and for an H100.
     assert set(rows) == {"O0 float32", "O2 float16", "O2 bfloat16"}, out
     assert rows["O0 float32"][4] == "-" and float(rows["O2 float16"][4]) >= 1
     assert rows["O2 bfloat16"][4] == "1" and rows["O0 float32"][3] == "1.00"
@@ -69,18 +85,9 @@ def test_main_job_shows_the_scale_the_skip_and_both_levels(capsys):
     assert "Speed report (H100): O2 float16 on an NVIDIA H100 SXM" in out
 
 
-@pytest.mark.skipif(BACKEND != "tensorflow", reason="once, on the main backend")
-def test_main_job_as_a_user_runs_it_in_bfloat16_and_quiet():
-    result = _run(
-        "train_mixed_precision.py", "--dtype", "bfloat16", "--epochs", "1", "--steps", "4"
-    )
-    # No loss scale in bfloat16: a fixed 1 that skips a non-finite step.
-    assert re.search(r"^O2 bfloat16 .*x +1$", result.stdout, re.M), result.stdout
-    assert "absl::InitializeLog" not in result.stderr and "I0000" not in result.stderr
-
-
+@pytest.mark.one_backend
 def test_lenet5_runs_each_scale_setting_on_real_data(capsys):
-    out = _main("lenet5_amp.py", capsys, "--epochs", "1", "--steps", "4", "--levels", "O0", "O2")
+    out = _main("lenet5_amp.py", capsys, "--epochs", "1", "--steps", "1", "--levels", "O0", "O2")
     rows = re.findall(r"^(O[0-3]) +(.+?) +([\d.]+) +(\S+) +(\S+) +[\d.]+ ms$", out, re.M)
     assert [(level, setting) for level, setting, *_ in rows] == [
         ("O0", "no scaling"),
@@ -97,7 +104,7 @@ def test_gan_trains_both_networks_with_two_optimizers_at_o2_and_o3(capsys):
     """examples/gan.py: a GAN's own compile and train_step (a jitted loop on
     JAX), at O2 float16 and O3 bfloat16: both networks move, each optimizer
     has its own scale, nothing is skipped on clean data."""
-    out = _main("gan.py", capsys, "--epochs", "1", "--steps", "6")
+    out = _main("gan.py", capsys, "--epochs", "1", "--steps", "1")
     blocks = re.split(r"^== ", out, flags=re.M)[1:]
     assert [b.split("\n", 1)[0] for b in blocks] == ["O2 float16", "O3 bfloat16"], out
     for block, scale in zip(blocks, ("32768", "1")):
@@ -111,6 +118,7 @@ def test_gan_trains_both_networks_with_two_optimizers_at_o2_and_o3(capsys):
             assert "keras_mp: wrapped `d_optimizer` (Adam" in block, block
 
 
+@pytest.mark.one_backend
 @pytest.mark.parametrize("name", ["train_mixed_precision.py", "lenet5_amp.py", "gan.py"])
 def test_help_describes_every_option_before_keras_loads(name):
     code = (
@@ -136,12 +144,18 @@ def test_help_describes_every_option_before_keras_loads(name):
             assert "(default:" in block, (name, block)
 
 
-@pytest.mark.skipif(BACKEND == "torch", reason="Keras exports SavedModels from TensorFlow or JAX")
-def test_export_example_runs(tmp_path):
-    result = _run("export_savedmodel.py", "--out", str(tmp_path), "--epochs", "1")
-    assert result.stdout.count("predicted classes:") == 2
+@ONCE
+def test_export_example_runs(tmp_path, capfd, monkeypatch):
+    # In this process (its serving process imports TensorFlow alone, as shown).
+    example = runpy.run_path(os.path.join(EXAMPLES, "export_savedmodel.py"), run_name="example")
+    monkeypatch.setattr(
+        sys, "argv", ["export_savedmodel.py", "--out", str(tmp_path), "--epochs", "1"]
+    )
+    example["main"]()
+    out = capfd.readouterr().out
+    assert out.count("predicted classes:") == 2
     # As trained and in float32: the in-memory model's probabilities, to
     # float16's rounding.
-    differences = re.findall(r"largest difference from the in-memory model: (\S+)", result.stdout)
-    assert len(differences) == 2 and max(map(float, differences)) < 1e-2, result.stdout
+    differences = re.findall(r"largest difference from the in-memory model: (\S+)", out)
+    assert len(differences) == 2 and max(map(float, differences)) < 1e-2, out
     assert os.path.exists(tmp_path / "model.keras")

@@ -12,7 +12,10 @@ import pytest
 
 import keras_mp
 
-BACKEND = keras.backend.backend()
+# Arguments, configs and which optimizer `compile` keeps: the same on every
+# backend. The skip they lead to is each backend's own, proven in
+# tests/model/test_compile.py and test_train_step.py.
+pytestmark = pytest.mark.one_backend
 
 
 def _numpy(x):

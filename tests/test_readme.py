@@ -82,6 +82,7 @@ def _example_blocks():
     return blocks
 
 
+@pytest.mark.one_backend
 def test_readme_shows_the_examples_loops():
     readme = _readme_blocks()
     example = _example_blocks()

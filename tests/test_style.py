@@ -8,8 +8,10 @@ import shutil
 import subprocess
 import sys
 
-import keras
 import pytest
+
+# The source's layout and style: the same whichever backend runs.
+pytestmark = pytest.mark.one_backend
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -21,7 +23,6 @@ def _ruff():
     return ruff
 
 
-@pytest.mark.skipif(keras.backend.backend() != "tensorflow", reason="once, not per backend")
 @pytest.mark.parametrize("command", [["check"], ["format", "--check"]], ids=["lint", "format"])
 def test_ruff(command):
     result = subprocess.run(

@@ -5,6 +5,8 @@ import pytest
 
 from keras_mp._src.backends import gpu_peaks
 
+pytestmark = pytest.mark.one_backend
+
 
 def test_h100_rates_are_the_data_sheets():
     h100 = gpu_peaks.peaks_of("h100")

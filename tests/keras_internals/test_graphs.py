@@ -2,8 +2,12 @@
 tensor, and a symbolic pass that leaves the layers as it found them."""
 
 import keras
+import pytest
 
 from keras_mp._src import keras_internals
+
+# Keras's generic internals: the same whichever backend runs.
+pytestmark = pytest.mark.one_backend
 
 
 def _model():

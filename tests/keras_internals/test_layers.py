@@ -2,8 +2,12 @@
 state they created, and the names keras_mp reads from Keras's layers."""
 
 import keras
+import pytest
 
 from keras_mp._src import keras_internals
+
+# Keras's generic internals: the same whichever backend runs.
+pytestmark = pytest.mark.one_backend
 
 
 def test_the_layer_internals_are_there():

@@ -3,8 +3,12 @@ are there, and BackupAndRestore's files and position are read as Keras
 keeps them."""
 
 import keras
+import pytest
 
 from keras_mp._src import keras_internals
+
+# Keras's generic internals: the same whichever backend runs.
+pytestmark = pytest.mark.one_backend
 
 
 def test_the_saving_internals_are_there():

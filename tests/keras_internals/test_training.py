@@ -2,8 +2,12 @@
 the compile config takes the amp settings."""
 
 import keras
+import pytest
 
 from keras_mp._src import keras_internals
+
+# Keras's generic internals: the same whichever backend runs.
+pytestmark = pytest.mark.one_backend
 
 
 def test_the_trainer_internals_are_there():

@@ -54,16 +54,17 @@ def _o0_covered():
 @pytest.mark.skipif(BACKEND != "tensorflow", reason="keras-io's DDIM: TensorFlow")
 @pytest.mark.parametrize(
     "level, dtype, fixed",
-    [("O3", "bfloat16", False), ("O3", "bfloat16", True), ("O2", "bfloat16", False)],
-    ids=["O3-as-written", "O3-with-the-fix", "O2-as-written"],
+    [("O3", "bfloat16", False), ("O3", "bfloat16", True)],
+    ids=["O3-as-written", "O3-with-the-fix"],
 )
 def test_ddims_ema_network_is_named_at_o3_and_exact_with_the_fix(level, dtype, fixed):
     """keras-io's DDIM updates its EMA network with `assign` in its
     `train_step`. At O3 bfloat16 it covered 0.0075 of its distance in 32
     steps instead of about 0.0315 (`1 - 0.999**32`): its increments round
     away. As written, keras_mp names it, with the fix; with the fix
-    (`amp_deny=[model.ema_network]`, and the cast in the EMA line) and at O2
-    (float32 weights) it covers what the O0 float32 run does."""
+    (`amp_deny=[model.ema_network]`, and the cast in the EMA line) it covers
+    what the O0 float32 run does. O2 (float32 weights, not named): the small
+    model's test below."""
 
     reference = _o0_covered()
     amp = {"amp_level": level, "amp_dtype": dtype}
@@ -120,8 +121,14 @@ class _WithEMA(keras.Model):
 
 
 @needs_stateful_fit
-@pytest.mark.parametrize("fixed", [False, True], ids=["as-written", "with-the-fix"])
-def test_an_ema_network_assigned_in_a_train_step_is_named_on_every_stateful_backend(fixed):
+@pytest.mark.parametrize(
+    "level, fixed",
+    [("O3", False), ("O3", True), ("O2", False)],
+    ids=["O3-as-written", "O3-with-the-fix", "O2-as-written"],
+)
+def test_an_ema_network_assigned_in_a_train_step_is_named_on_every_stateful_backend(level, fixed):
+    """Named at O3 as written; not with the fix, nor at O2 (float32
+    variables: its updates do not round away)."""
     import keras_mp
 
     rng = np.random.default_rng(0)
@@ -130,10 +137,10 @@ def test_an_ema_network_assigned_in_a_train_step_is_named_on_every_stateful_back
     keras.utils.set_random_seed(0)
     model = _WithEMA(cast=fixed)
     model(x[:2])
-    keras_mp.apply_amp(model, "O3", "bfloat16", deny=[model.ema_network] if fixed else None)
+    keras_mp.apply_amp(model, level, "bfloat16", deny=[model.ema_network] if fixed else None)
     model.compile(optimizer=keras.optimizers.Adam(1e-2))
     told = _fit(model, x, y=y, epochs=2, batch_size=16)
-    if fixed:
+    if fixed or level == "O2":
         assert told == []
         assert {w.dtype for w in model.ema_network.weights} == {"float32"}
     else:

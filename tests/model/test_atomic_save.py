@@ -15,6 +15,9 @@ import pytest
 import keras_mp  # noqa: F401 (installs the atomic writes)
 from tests import processes
 
+# The files are written by Keras's saving code, the same on every backend.
+pytestmark = pytest.mark.one_backend
+
 # Imports keras_mp once and saves a model once (a first `.keras` save imports
 # TensorFlow's file system, 7 s), then for each trial forks a writer that
 # saves over its target until killed, a random moment after its first good
@@ -93,10 +96,6 @@ print(json.dumps({f"{i} {how}": loads(how, t) for i, (how, t) in enumerate(zip(t
 """
 
 
-@pytest.mark.skipif(
-    keras.backend.backend() != "torch",
-    reason="the files are written by Keras's saving code, the same on every backend",
-)
 def test_a_writer_killed_at_any_moment_leaves_a_file_that_loads(tmp_path):
     """Five writers (two `model.save` loops, `ModelCheckpoint` of the model and
     of its weights, `BackupAndRestore`, each saving at every batch) killed

@@ -27,6 +27,7 @@ def _data():
     return models.three_class_data(32)
 
 
+@pytest.mark.one_backend
 def test_plain_compile_is_unchanged():
     from keras.src.trainers.trainer import Trainer
 
@@ -43,6 +44,7 @@ def test_plain_compile_is_unchanged():
     assert "auto_scale_loss" in parameters and "amp_level" not in parameters
 
 
+@pytest.mark.one_backend
 def test_compile_with_an_explicit_loss_scale_optimizer():
     model = _model()
     optimizer = keras_mp.LossScaleOptimizer(keras.optimizers.Adam())
@@ -58,6 +60,7 @@ def test_compile_with_an_explicit_loss_scale_optimizer():
     assert out.dtype == np.float32
 
 
+@pytest.mark.one_backend
 @pytest.mark.parametrize(
     "kwargs, wrapped, dynamic, scale",
     [
@@ -92,6 +95,7 @@ def test_optimizer_is_wrapped_when_the_level_calls_for_it(kwargs, wrapped, dynam
         assert model.optimizer.master_weights is kwargs.get("master_weights", True)
 
 
+@pytest.mark.one_backend
 def test_never_wrapped_twice_under_a_global_mixed_policy():
     keras.config.set_dtype_policy("mixed_float16")
     model = _model()
@@ -114,6 +118,7 @@ def _of_kind(kind):
     return _model() if kind == "functional" else SubclassedClassifier()
 
 
+@pytest.mark.one_backend
 @pytest.mark.parametrize("kind", ["functional", "subclassed"])
 def test_a_plain_compile_scales_the_loss_of_float16_layers_as_keras_does(kind):
     """Keras wraps the optimizer in a LossScaleOptimizer when the model's
@@ -153,6 +158,7 @@ def test_a_plain_compile_scales_the_loss_of_float16_layers_as_keras_does(kind):
     assert bfloat16.optimizer.config.checks_finite
 
 
+@pytest.mark.one_backend
 def test_function_form():
     model = _model()
     keras_mp.compile(model, "adam", "mse", amp_level="O1", amp_dtype="bfloat16")
@@ -203,6 +209,7 @@ LAYER_LISTS = {
 }
 
 
+@pytest.mark.one_backend
 @pytest.mark.parametrize("how", ["apply_amp_first", "compile_keywords"])
 @pytest.mark.parametrize("case", list(LAYER_LISTS))
 def test_layers_you_allow_or_deny_keep_their_dtype_under_compile_and_after_loading(
@@ -239,6 +246,7 @@ def test_layers_you_allow_or_deny_keep_their_dtype_under_compile_and_after_loadi
     assert model.get_layer(name).dtype_policy.name != policy
 
 
+@pytest.mark.one_backend
 @pytest.mark.parametrize(
     "kwargs, error, fragment",
     [
@@ -304,13 +312,19 @@ def _bad_batch():
     return x[:8], y[:8], x_bad
 
 
+# The guard is each backend's own step (stateful or stateless): O2 on each.
+# Which optimizer a level gets (checking every step in bfloat16 too) is a
+# decision (`test_optimizer_is_wrapped_when_the_level_calls_for_it`).
 @pytest.mark.parametrize(
     "amp",
     [
-        {"amp_level": "O1"},
+        pytest.param({"amp_level": "O1"}, marks=pytest.mark.one_backend),
         {"amp_level": "O2"},
         # bfloat16 needs no loss scale; a fixed scale of 1 still checks every step.
-        {"amp_level": "O2", "amp_dtype": "bfloat16", "loss_scale": 1},
+        pytest.param(
+            {"amp_level": "O2", "amp_dtype": "bfloat16", "loss_scale": 1},
+            marks=pytest.mark.one_backend,
+        ),
     ],
     ids=["O1", "O2", "O2-bfloat16-unit-scale"],
 )
@@ -329,6 +343,7 @@ def test_skipped_batch_keeps_every_weight_train_on_batch(amp):
     assert not np.array_equal(model.get_weights()[0], before[0])
 
 
+@pytest.mark.one_backend
 def test_skipped_batch_keeps_every_weight_in_fit():
     x, y, x_bad = _bad_batch()
     xs = np.concatenate([x, x_bad, x])
@@ -347,6 +362,7 @@ def test_skipped_batch_keeps_every_weight_in_fit():
     assert all(np.all(np.isfinite(w)) for w in seen[2])
 
 
+@pytest.mark.one_backend
 def test_without_amp_level_batchnorm_statistics_are_lost():
     """The problem the guard solves: plain Keras + LSO keeps NaN moving stats."""
     x, y, x_bad = _bad_batch()

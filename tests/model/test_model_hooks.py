@@ -7,6 +7,11 @@ import pytest
 
 import keras_mp
 
+BACKEND = keras.backend.backend()
+_NOT_ON_JAX = pytest.mark.skipif(
+    BACKEND == "jax", reason="JAX promotes half and float32: its cell is O3's"
+)
+
 
 def _numpy(x):
     return np.asarray(keras.ops.convert_to_numpy(x))
@@ -41,12 +46,57 @@ def _regularized_model():
     return keras.Model(inputs, outputs)
 
 
-REGULARIZED = [("O1", "float16"), ("O2", "bfloat16"), ("O3", "float16"), ("O3", "bfloat16")]
+def _losses_and_model(level=None, half=None, how="compile"):
+    """The two steps' losses (one batch a step: each step's loss is taken
+    before its update) of `_regularized_model` at `level`, and the model."""
+    x, y = _data()
+    model = _regularized_model()
+    amp, optimizer = {}, keras.optimizers.Adam(1e-2)
+    if level is not None and how == "compile":
+        amp = {"amp_level": level, "amp_dtype": half}
+    elif level is not None:
+        keras_mp.apply_amp(model, level, half)
+        optimizer = keras_mp.LossScaleOptimizer(optimizer)
+    model.compile(optimizer=optimizer, loss="sparse_categorical_crossentropy", **amp)
+    history = model.fit(x, y, batch_size=len(x), epochs=2, verbose=0)
+    return history.history["loss"], model
 
 
-@pytest.mark.parametrize("how", ["compile", "apply_amp"])
-@pytest.mark.parametrize("level, half", REGULARIZED, ids=["-".join(c) for c in REGULARIZED])
-def test_regularization_and_add_loss_count_in_float32(level, half, how):
+@pytest.fixture(scope="module")
+def float32_losses():
+    """The float32 model's losses, its added losses a good part of them."""
+    x, y = _data()
+    losses, _ = _losses_and_model()
+    predictions = _regularized_model().predict(x, verbose=0)  # the same weights, float32
+    without_regularization = float(
+        _numpy(keras.losses.sparse_categorical_crossentropy(y, predictions)).mean()
+    )
+    # What the test is about: the added losses are a good part of the total.
+    assert losses[0] > without_regularization + 0.1, (losses, without_regularization)
+    return losses
+
+
+# TensorFlow refused the sum: it runs a cell of each kind of half loss (O1's
+# activity regularization and `add_loss`, O3's half weights' regularizers),
+# one through each way of setting the level. The cast is the same line for
+# every cell: PyTorch, whose steps cost least, runs them all; JAX, which
+# promotes half and float32 as PyTorch does but collects the losses of its
+# stateless call its own way, the O3 one.
+_ON_TORCH = pytest.mark.skipif(BACKEND != "torch", reason="a cell of the grid: all on PyTorch")
+REGULARIZED = [
+    pytest.param("O1", "float16", "compile", marks=_NOT_ON_JAX),
+    pytest.param("O1", "float16", "apply_amp", marks=_ON_TORCH),
+    pytest.param("O2", "bfloat16", "compile", marks=_ON_TORCH),
+    pytest.param("O2", "bfloat16", "apply_amp", marks=_ON_TORCH),
+    pytest.param("O3", "float16", "compile", marks=_ON_TORCH),
+    pytest.param("O3", "float16", "apply_amp", marks=_ON_TORCH),
+    pytest.param("O3", "bfloat16", "compile", marks=_ON_TORCH),
+    ("O3", "bfloat16", "apply_amp"),
+]
+
+
+@pytest.mark.parametrize("level, half, how", REGULARIZED)
+def test_regularization_and_add_loss_count_in_float32(level, half, how, float32_losses):
     """Activity regularization, `add_loss` in a half layer and O3's
     `kernel_regularizer` on half weights give half losses; Keras sums them
     with the float32 loss, which TensorFlow refused (a TypeError at the
@@ -54,39 +104,14 @@ def test_regularization_and_add_loss_count_in_float32(level, half, how):
     them). Through `compile(amp_level=...)` or `apply_amp` and a plain
     `compile`, each level's first loss is the float32 model's,
     regularization included, within the half dtype's rounding."""
-    x, y = _data()
-
-    def losses_and_model(level=None):
-        model = _regularized_model()
-        amp, optimizer = {}, keras.optimizers.Adam(1e-2)
-        if level is not None and how == "compile":
-            amp = {"amp_level": level, "amp_dtype": half}
-        elif level is not None:
-            keras_mp.apply_amp(model, level, half)
-            optimizer = keras_mp.LossScaleOptimizer(optimizer)
-        model.compile(optimizer=optimizer, loss="sparse_categorical_crossentropy", **amp)
-        # One batch a step: each step's loss is taken before its update.
-        history = model.fit(x, y, batch_size=len(x), epochs=2, verbose=0)
-        return history.history["loss"], model
-
-    float32_losses, _ = losses_and_model()
-    predictions = _regularized_model().predict(x, verbose=0)  # the same weights, float32
-    without_regularization = float(
-        _numpy(keras.losses.sparse_categorical_crossentropy(y, predictions)).mean()
-    )
-    # What the test is about: the added losses are a good part of the total.
-    assert float32_losses[0] > without_regularization + 0.1, (
-        float32_losses,
-        without_regularization,
-    )
-
-    losses, model = losses_and_model(level)
+    losses, model = _losses_and_model(level, half, how)
     rtol = 2e-2 if half == "bfloat16" else 5e-3
     np.testing.assert_allclose(losses[0], float32_losses[0], rtol=rtol)
     assert losses[1] < losses[0]  # and it trains
     assert all(np.isfinite(_numpy(w)).all() for w in model.trainable_variables)
 
 
+@pytest.mark.one_backend
 def test_fit_wraps_the_bare_optimizer_of_a_model_made_half_after_compile(capsys):
     """`apply_amp` after `compile`: the model's Adam is bare, and its float16
     gradients would go unscaled. `fit` wraps it first, says so, and trains;
@@ -109,6 +134,7 @@ def test_fit_wraps_the_bare_optimizer_of_a_model_made_half_after_compile(capsys)
     assert plain.optimizer is sgd
 
 
+@pytest.mark.one_backend
 def test_an_fp8_checkpoint_loaded_before_compile_names_the_order_that_works(tmp_path):
     """Issue 63.8: building a model, `load_weights` from an FP8 checkpoint,
     then `compile(amp_dtype="float8")` failed with Keras's "A total of 1

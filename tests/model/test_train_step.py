@@ -1,10 +1,14 @@
 """`fit`'s train step under keras_mp (`train_step.py`): a NaN batch injected.
 
 The batch's step is skipped (weights bit-identical to the step before), the
-scale backs off, training goes on, and the run ends where a run without the
-bad batch ends (compared against that run, not against itself).
+scale backs off, training goes on, and every other step is the step of a run
+without the bad batch (compared against that run step by step, not against
+itself). One model per mode of `fit` runs both: the reference reuses the
+compiled step, so each mode is compiled once.
 """
 
+import contextlib
+import functools
 import warnings
 
 import keras
@@ -12,12 +16,11 @@ import numpy as np
 import pytest
 
 import keras_mp
+from keras_mp._src.backends import common as backends_common
 
 BACKEND = keras.backend.backend()
 BATCH = 16
 BAD_BATCH = 2
-
-MODES = ["eager_or_default", "jit"] if BACKEND != "torch" else ["eager_or_default"]
 
 
 def _numpy(x):
@@ -87,93 +90,122 @@ def test_eager_fit_on_jax_compiles_the_optimizer_step_once(jax_skip_form):
     assert int(keras.ops.convert_to_numpy(optimizer.skipped_steps)) == 2  # the NaN batch, twice
 
 
-@pytest.mark.parametrize("mode", MODES)
-@pytest.mark.parametrize("policy", ["float32", "mixed_float16"])
-def test_fit_skips_a_nan_batch_and_loses_nothing(mode, policy, jax_skip_form):
-    x, y = _data(with_nan=True)
-    model, optimizer = _compiled_with_adam(policy, mode, dynamic_growth_steps=100)
-    assert model.optimizer is optimizer
-    recorder = WeightsPerBatch()
-    model.fit(x, y, batch_size=BATCH, epochs=1, shuffle=False, verbose=0, callbacks=[recorder])
+# The cells of the NaN-batch run: each mode of `fit` on this backend, and on
+# JAX each form of the skip once (both forms are proven op by op in
+# test_loss_scale_optimizer.py): the GPU's selects where `fit` compiles, the
+# CPU's `lax.cond` where it runs op by op.
+CELLS = {
+    "tensorflow": [("eager_or_default", None), ("jit", None)],
+    "jax": [("eager_or_default", "cond"), ("jit", "select")],
+    "torch": [("eager_or_default", None)],
+}[BACKEND]
+# The mode each backend runs cheapest on a CPU, for what every mode runs
+# alike: TensorFlow's graph (XLA compiles for longer), JAX's jit (its eager
+# step dispatches op by op), PyTorch's eager step.
+CHEAPEST = "jit" if BACKEND == "jax" else "eager_or_default"
 
-    before, after = recorder.seen[BAD_BATCH - 1], recorder.seen[BAD_BATCH]
-    for b, a in zip(before, after):
+
+@contextlib.contextmanager
+def _in_skip_form(form):
+    """The JAX skip's form for what is traced inside (None: the platform's)."""
+    with pytest.MonkeyPatch.context() as monkeypatch:
+        if form is not None:
+            monkeypatch.setenv(backends_common.SKIP_FORM_VARIABLE, form)
+        yield
+
+
+@functools.lru_cache(maxsize=None)
+def _nan_run(mode, form):
+    """One mixed_float16 model, Adam in a LossScaleOptimizer from 2**10
+    growing every 2 steps, fit for an epoch on data with a NaN in batch 2,
+    then, from the same initial weights and optimizer state and with the
+    same compiled step, on the same data without that batch: the weights
+    after each batch of both runs, and the optimizer's state after the
+    first."""
+    with _in_skip_form(form):
+        model, optimizer = _compiled_with_adam("mixed_float16", mode, dynamic_growth_steps=2)
+        assert model.optimizer is optimizer  # compile keeps the one given
+        optimizer.build(model.trainable_variables)
+        weights = model.get_weights()
+        state = [_numpy(v) for v in optimizer.variables]
+        x, y = _data(with_nan=True)
+        recorder = WeightsPerBatch()
+        history = model.fit(
+            x, y, batch_size=BATCH, epochs=1, shuffle=False, verbose=0, callbacks=[recorder]
+        )
+        after = {
+            name: float(_numpy(getattr(optimizer, name)))
+            for name in ("loss_scale", "good_steps", "skipped_steps", "iterations")
+        }
+        model.set_weights(weights)
+        for variable, value in zip(optimizer.variables, state):
+            variable.assign(value)
+        x_clean, y_clean = _data(with_nan=False)
+        keep = np.ones(len(x_clean), bool)
+        keep[BAD_BATCH * BATCH : (BAD_BATCH + 1) * BATCH] = False
+        reference = WeightsPerBatch()
+        model.fit(
+            x_clean[keep],
+            y_clean[keep],
+            batch_size=BATCH,
+            epochs=1,
+            shuffle=False,
+            verbose=0,
+            callbacks=[reference],
+        )
+    return recorder.seen, reference.seen, after, history.history, model.get_weights()
+
+
+@pytest.mark.parametrize("mode, form", CELLS)
+def test_fit_skips_a_nan_batch_and_loses_nothing(mode, form):
+    """The NaN batch's step changes no weight; the scale grows every two
+    finite steps and halves at the skip; every other step is the step of a
+    run that never saw the bad batch, compared step by step (the scale
+    differs after the skip, 2**10 against 2**11, a power of two: the
+    unscaled gradients, and hence the weights, agree to rounding)."""
+    seen, reference, state, history, _ = _nan_run(mode, form)
+    assert len(seen) == 6 and len(reference) == 5
+    for b, a in zip(seen[BAD_BATCH - 1], seen[BAD_BATCH]):
         np.testing.assert_array_equal(a, b)
-    for weights in recorder.seen[BAD_BATCH + 1 :]:
-        assert all(np.all(np.isfinite(w)) for w in weights)
-    assert not np.array_equal(recorder.seen[-1][0], after[0])  # training went on
-    assert int(_numpy(optimizer.skipped_steps)) == 1
-    assert int(_numpy(optimizer.iterations)) == 5
-    assert float(_numpy(optimizer.loss_scale)) == 2.0**9
-
-    # The same run without the bad batch gives the same weights.
-    x_clean, y_clean = _data(with_nan=False)
-    keep = np.ones(len(x_clean), bool)
-    keep[BAD_BATCH * BATCH : (BAD_BATCH + 1) * BATCH] = False
-    reference, _ = _compiled_with_adam(policy, mode, dynamic_growth_steps=100)
-    # The scale differs after the skip (2**9 vs 2**10): a power of two, so
-    # the unscaled gradients, and hence the weights, agree to rounding.
-    reference.fit(
-        x_clean[keep], y_clean[keep], batch_size=BATCH, epochs=1, shuffle=False, verbose=0
-    )
-    for got, want in zip(model.get_weights(), reference.get_weights()):
-        np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
-
-
-@pytest.mark.parametrize("mode", MODES)
-def test_fit_grows_the_scale(mode):
-    x, y = _data(with_nan=False)
-    model = _model("mixed_float16")
-    optimizer = keras_mp.LossScaleOptimizer(
-        keras.optimizers.SGD(0.01), initial_scale=4.0, dynamic_growth_steps=2
-    )
-    model.compile(
-        optimizer=optimizer, loss="sparse_categorical_crossentropy", jit_compile=(mode == "jit")
-    )
-    model.fit(x, y, batch_size=BATCH, epochs=1, verbose=0)
-    assert float(_numpy(optimizer.loss_scale)) == 32.0  # 6 steps: 3 growths
-    assert int(_numpy(optimizer.good_steps)) == 0
+    assert not np.array_equal(seen[-1][0], seen[BAD_BATCH][0])  # training went on
+    assert all(np.isfinite(w).all() for w in seen[-1])
+    for got, want in zip(seen[:BAD_BATCH] + seen[BAD_BATCH + 1 :], reference):
+        for g, w in zip(got, want):
+            np.testing.assert_allclose(g, w, rtol=1e-5, atol=1e-6)
+    # Batches 0-1 grow the scale to 2**11; the NaN batch 2 backs it off to
+    # 2**10 and is skipped; batches 3-4 grow it to 2**11; batch 5 counts one.
+    assert state == {"loss_scale": 2.0**11, "good_steps": 1, "skipped_steps": 1, "iterations": 5}
+    assert history["loss_scale"] == [2.0**11] and history["skipped_steps"] == [1.0]
 
 
 @pytest.mark.skipif(BACKEND == "torch", reason="Keras runs one step per execution on PyTorch")
-@pytest.mark.parametrize("mode", MODES)
-def test_steps_per_execution_steps_the_scale_per_batch(mode):
+def test_steps_per_execution_steps_the_scale_per_batch():
     """`steps_per_execution=3` runs three steps in one compiled call: the
-    scale grows, backs off and skips per batch, as with one step a call."""
+    scale grows, backs off and skips per batch, as with one step a call.
+    The loop around the step is Keras's own in every mode: one mode proves it."""
+    mode, form = next(cell for cell in CELLS if cell[0] == CHEAPEST)
+    _, _, state, history, weights = _nan_run(mode, form)
     x, y = _data(with_nan=True)
-    runs = []
-    for steps_per_execution in (1, 3):
+    with _in_skip_form(form):
         model, optimizer = _compiled_with_adam(
-            "mixed_float16", mode, dynamic_growth_steps=2, steps_per_execution=steps_per_execution
+            "mixed_float16", mode, dynamic_growth_steps=2, steps_per_execution=3
         )
-        history = model.fit(x, y, batch_size=BATCH, epochs=1, shuffle=False, verbose=0)
-        state = [
-            float(_numpy(v))
-            for v in (
-                optimizer.loss_scale,
-                optimizer.good_steps,
-                optimizer.skipped_steps,
-                optimizer.iterations,
-            )
-        ]
-        runs.append((model.get_weights(), state, history.history))
-    (weights, state, history), (weights_3, state_3, history_3) = runs
-    # Batches 0-1 grow the scale to 2**11; the NaN batch 2 backs it off to
-    # 2**10 and is skipped; batches 3-4 grow it to 2**11; batch 5 counts one.
-    assert state == state_3 == [2.0**11, 1.0, 1.0, 5.0]
-    assert history["loss_scale"] == history_3["loss_scale"] == [2.0**11]
-    assert history["skipped_steps"] == history_3["skipped_steps"] == [1.0]
-    for got, want in zip(weights_3, weights):
+        history_3 = model.fit(x, y, batch_size=BATCH, epochs=1, shuffle=False, verbose=0).history
+    state_3 = {name: float(_numpy(getattr(optimizer, name))) for name in state}
+    assert state_3 == state
+    assert history_3["loss_scale"] == history["loss_scale"]
+    assert history_3["skipped_steps"] == history["skipped_steps"]
+    for got, want in zip(model.get_weights(), weights):
         np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
 
 
-@pytest.mark.parametrize("mode", MODES)
-def test_an_epoch_of_overflowing_steps_reports_its_loss(mode):
+def test_an_epoch_of_overflowing_steps_reports_its_loss():
     """A scale so large that every step's half gradients overflow: every step
     is skipped and the weights stay, but the batches' losses were finite, and
     the epoch reports them (as Keras's own LossScaleOptimizer does), not the
     0 of an empty mean. The reference is `evaluate` on the same, unchanged
-    weights."""
+    weights. The metrics' restore is the step's own code in every mode: one
+    mode proves it."""
     x, y = _data(with_nan=False)
     model = _model("float32")
     model.compile(
@@ -182,7 +214,7 @@ def test_an_epoch_of_overflowing_steps_reports_its_loss(mode):
         metrics=["accuracy"],
         amp_level="O2",
         loss_scale=2.0**40,
-        jit_compile=(mode == "jit"),
+        jit_compile=(CHEAPEST == "jit"),
     )
     before = model.get_weights()
     history = model.fit(x, y, batch_size=BATCH, epochs=1, shuffle=False, verbose=0)
@@ -195,6 +227,9 @@ def test_an_epoch_of_overflowing_steps_reports_its_loss(mode):
     np.testing.assert_allclose(history.history["accuracy"], [accuracy], rtol=1e-6)
 
 
+@pytest.mark.skipif(
+    BACKEND != "tensorflow", reason="sparse gradients (tf.IndexedSlices) are TensorFlow's own"
+)
 def test_fit_with_embedding_gradients():
     """Embedding gradients are sparse (tf.IndexedSlices) on TensorFlow."""
     rng = np.random.default_rng(0)
@@ -217,9 +252,24 @@ def test_fit_with_embedding_gradients():
     assert float(_numpy(optimizer.loss_scale)) == 2.0**17  # 4 finite steps: 2 growths
 
 
-@pytest.mark.parametrize("level", ["O0", "O1", "O2", "O3"])
-@pytest.mark.parametrize("how", ["run_eagerly", "no_jit"])
-def test_fit_evaluate_predict_run_eagerly_at_every_level(level, how):
+# Each level's cell runs the same eager step: PyTorch, whose steps cost
+# least, runs every level; TensorFlow one. JAX runs `jit_compile=False` as
+# `run_eagerly=True` (Keras's JAX trainer): its eager cell of the NaN-batch
+# run above is this path.
+_ON_TORCH = pytest.mark.skipif(BACKEND != "torch", reason="a level's cell: every one on PyTorch")
+
+
+@pytest.mark.skipif(BACKEND == "jax", reason="JAX's eager step: the NaN-batch run's eager cell")
+@pytest.mark.parametrize(
+    "level",
+    [
+        pytest.param("O0", marks=_ON_TORCH),
+        pytest.param("O1", marks=_ON_TORCH),
+        "O2",
+        pytest.param("O3", marks=_ON_TORCH),
+    ],
+)
+def test_fit_evaluate_predict_run_eagerly_at_every_level(level):
     """Debugging in a notebook starts with `run_eagerly=True`.
 
     The same epoch as a compiled one, at every level, with a NaN batch
@@ -227,13 +277,12 @@ def test_fit_evaluate_predict_run_eagerly_at_every_level(level, how):
     """
     x, y = _data(with_nan=True)
     model = _model("float32")
-    kwargs = {"run_eagerly": True} if how == "run_eagerly" else {"jit_compile": False}
     model.compile(
         optimizer=keras.optimizers.Adam(1e-2),
         loss="sparse_categorical_crossentropy",
         amp_level=level,
         loss_scale="dynamic",
-        **kwargs,
+        run_eagerly=True,
     )
     history = model.fit(x, y, batch_size=BATCH, epochs=1, verbose=0)
     (skipped,) = history.history["skipped_steps"]
@@ -309,8 +358,40 @@ def _guide_train_step(scaled):
     return type("GuideModel", (keras.Model,), {"train_step": train_step})
 
 
-@pytest.mark.parametrize("level, dtype", [("O1", "float16"), ("O2", "float16"), ("O3", "bfloat16")])
-@pytest.mark.parametrize("scaled", [False, True], ids=["unscaled", "scaled"])
+@functools.lru_cache(maxsize=None)
+def _guide_fit(scaled, level, dtype="float16"):
+    """The guide's model fit for two epochs at `level`: the "loss was never
+    scaled" warnings, how far its weights moved, and its weights."""
+    x, y = _data(with_nan=False)
+    keras.utils.set_random_seed(7)
+    inputs = keras.Input((8,))
+    hidden = keras.layers.Dense(16, activation="relu")(inputs)
+    model = _guide_train_step(scaled)(inputs, keras.layers.Dense(2, activation="softmax")(hidden))
+    model.compile(
+        optimizer=keras.optimizers.SGD(0.5),
+        loss="sparse_categorical_crossentropy",
+        amp_level=level,
+        amp_dtype=dtype,
+    )
+    before = model.get_weights()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        model.fit(x, y, batch_size=BATCH, epochs=2, verbose=0)
+    told = [w for w in caught if "loss was never scaled" in str(w.message)]
+    moved = sum(np.abs(a - b).sum() for a, b in zip(model.get_weights(), before))
+    return told, moved, model.get_weights()
+
+
+@pytest.mark.parametrize(
+    "scaled, level, dtype",
+    [
+        (False, "O2", "float16"),
+        (True, "O1", "float16"),
+        # Whether there is a scale to warn of is the optimizer's decision.
+        pytest.param(False, "O3", "bfloat16", marks=pytest.mark.one_backend),
+    ],
+    ids=["unscaled-O2-float16", "scaled-O1-float16", "unscaled-O3-bfloat16"],
+)
 def test_a_custom_train_step_that_does_not_scale_its_loss_is_told(scaled, level, dtype):
     """Keras's guide to a custom `train_step` never scales the loss. Under a
     LossScaleOptimizer its gradients were divided by a scale they were never
@@ -320,31 +401,8 @@ def test_a_custom_train_step_that_does_not_scale_its_loss_is_told(scaled, level,
     (checked, unscaled by 1) and a warning names the line to add; with it,
     the step is loss-scaled. Either way it trains as float32 does, at every
     level (in bfloat16 there is no scale, and nothing to warn of)."""
-    x, y = _data(with_nan=False)
-
-    def fit(level, dtype="float16"):
-        keras.utils.set_random_seed(7)
-        inputs = keras.Input((8,))
-        hidden = keras.layers.Dense(16, activation="relu")(inputs)
-        model = _guide_train_step(scaled)(
-            inputs, keras.layers.Dense(2, activation="softmax")(hidden)
-        )
-        model.compile(
-            optimizer=keras.optimizers.SGD(0.5),
-            loss="sparse_categorical_crossentropy",
-            amp_level=level,
-            amp_dtype=dtype,
-        )
-        before = model.get_weights()
-        with warnings.catch_warnings(record=True) as caught:
-            warnings.simplefilter("always")
-            model.fit(x, y, batch_size=BATCH, epochs=2, verbose=0)
-        told = [w for w in caught if "loss was never scaled" in str(w.message)]
-        moved = sum(np.abs(a - b).sum() for a, b in zip(model.get_weights(), before))
-        return told, moved, model.get_weights()
-
-    told_o0, moved_o0, reference = fit("O0")  # no LossScaleOptimizer
-    told, moved, weights = fit(level, dtype)
+    told_o0, moved_o0, reference = _guide_fit(False, "O0")  # no LossScaleOptimizer
+    told, moved, weights = _guide_fit(scaled, level, dtype)
     assert told_o0 == []
     if scaled or dtype == "bfloat16":
         assert told == []

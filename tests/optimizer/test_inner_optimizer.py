@@ -110,10 +110,17 @@ def _reference(name):
     return _REFERENCE[name]
 
 
+# One cell per optimizer, rotated over the backends: every cell runs the same
+# wrapper code (the inner optimizer's own step on float32 variables or master
+# copies), so the grid's other cells would prove it again. Each backend still
+# runs O3 with each half type for some optimizer.
+ROTATION = {"tensorflow": 0, "jax": 1, "torch": 2}.get(keras.backend.backend(), 0)
+
+
 def _cases():
-    for name in OPTIMIZERS:
-        for level, half in CELLS:
-            yield pytest.param(name, level, half, id=f"{name}-{level}-{half}")
+    for i, name in enumerate(OPTIMIZERS):
+        level, half = CELLS[(i + ROTATION) % len(CELLS)]
+        yield pytest.param(name, level, half, id=f"{name}-{level}-{half}")
 
 
 @pytest.mark.parametrize("name, level, half", list(_cases()))

@@ -387,3 +387,15 @@ def test_custom_loop_torch(api):
         grads = optimizer.get_unscaled_gradients(grads)
         optimizer.apply_gradients(zip(grads, model.trainable_variables))
     check_loop_result(model, x, y)
+
+
+@pytest.mark.skipif(BACKEND != "tensorflow", reason="AutoGraph is TensorFlow's")
+def test_autograph_converts_apply_in_a_users_tf_function():
+    """A TensorFlow custom loop's `tf.function` converts `apply` with
+    AutoGraph: a construct it cannot transform (`:=`) made it fall back and
+    log "could not transform ... Please report this to the TensorFlow team"
+    on every user's first step."""
+    import tensorflow as tf
+
+    tf.autograph.to_graph(keras_mp.LossScaleOptimizer.apply)
+    tf.autograph.to_graph(keras_mp.LossScaleOptimizer.scale_loss)

@@ -10,6 +10,8 @@ from hypothesis import strategies as st
 from keras_mp._src.precision import amp_settings
 from keras_mp._src.precision.levels import Compute
 
+pytestmark = pytest.mark.one_backend
+
 # level: (what computes in half, container policy, a subclassed model's inside)
 MEANING = {
     "O0": (Compute.NONE, "float32", "float32"),

@@ -1,9 +1,12 @@
 """The conditions the rules ask of a layer and its place (`Place`)."""
 
 import keras
+import pytest
 
 from keras_mp._src.precision import amp_settings
 from keras_mp._src.precision import conditions
+
+pytestmark = pytest.mark.one_backend
 
 L = keras.layers
 

@@ -90,7 +90,7 @@ def _off_the_way(p, h):
     return p
 
 
-@pytest.mark.skipif(keras.backend.backend() != "torch", reason="a decision: backend-independent")
+@pytest.mark.one_backend
 @pytest.mark.parametrize(
     "returns, head, alone",
     [

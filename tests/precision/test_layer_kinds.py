@@ -6,6 +6,8 @@ import pytest
 
 from keras_mp._src.precision import layer_kinds
 
+pytestmark = pytest.mark.one_backend
+
 
 class RMSNorm(keras.layers.Layer):  # a user's, named by the convention
     pass

@@ -3,8 +3,11 @@ each layer once, and the layers whose outputs are the model's outputs."""
 
 import keras
 import numpy as np
+import pytest
 
 from keras_mp._src.precision import layer_tree
+
+pytestmark = pytest.mark.one_backend
 
 
 def _nested():

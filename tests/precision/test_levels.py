@@ -11,6 +11,8 @@ import pytest
 
 import keras_mp
 
+pytestmark = pytest.mark.one_backend
+
 HALF = "half"
 F32 = "float32"
 

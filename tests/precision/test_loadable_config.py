@@ -1,5 +1,10 @@
 """Configs of your own blocks that rebuild in the precision keras_mp set
-(`loadable_config.py`)."""
+(`loadable_config.py`).
+
+What a config says is decided before any backend computes: these are proven
+once (`one_backend`); each backend's own saving and loading is in
+`tests/test_saving.py`, `tests/model/test_saved_precision.py` and
+`tests/model/test_config_precision.py`."""
 
 import keras
 import numpy as np
@@ -12,6 +17,7 @@ from tests.saving import fit
 from tests.saving import with_block
 
 
+@pytest.mark.one_backend
 def test_a_block_of_your_own_in_half_loads_without_its_compile(tmp_path):
     """`keras_mp.serving_copy` rebuilds the model from its config alone: a
     block of your own that computes in half comes back in Keras's default
@@ -38,6 +44,7 @@ def test_a_block_of_your_own_in_half_loads_without_its_compile(tmp_path):
     assert model.get_layer("block").dtype_policy.name == "float16"
 
 
+@pytest.mark.one_backend
 def test_only_a_block_of_your_own_in_half_gives_no_dtype_in_its_config():
     model = with_block()
     block_at_o3(model)
@@ -76,22 +83,9 @@ def _predict(model, x):
     return np.asarray(keras.ops.convert_to_numpy(model.predict(x, verbose=0)), "float32")
 
 
-@pytest.mark.parametrize(
-    "level, dtype",
-    [
-        ("O2", "float16"),
-        pytest.param(
-            "O3",
-            "bfloat16",
-            marks=pytest.mark.skipif(
-                keras.backend.backend() == "jax",
-                reason="CI time: each predict compiles the Gemma on JAX; float16 is the "
-                "dtype whose constant was wrong",
-            ),
-        ),
-    ],
-)
-def test_a_keras_hub_gemma_reloads_exactly_trained_or_not(tmp_path, level, dtype):
+# float16: the dtype whose constant was wrong (sqrt(32) is not a float16 number).
+@pytest.mark.one_backend
+def test_a_keras_hub_gemma_reloads_exactly_trained_or_not(tmp_path):
     """GemmaBackbone scales its embeddings by `ops.cast(sqrt(hidden_dim),
     x.dtype)`, a constant of its graph in the dtype it was built in. Rebuilt
     from a config whose dtype was the level's, the constant was float16's
@@ -113,8 +107,8 @@ def test_a_keras_hub_gemma_reloads_exactly_trained_or_not(tmp_path, level, dtype
     model.compile(
         optimizer="adam",
         loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
-        amp_level=level,
-        amp_dtype=dtype,
+        amp_level="O2",
+        amp_dtype="float16",
     )
     for trained in (False, True):
         if trained:
@@ -147,6 +141,7 @@ for path in sys.argv[2:]:
 """
 
 
+@pytest.mark.one_backend
 def test_a_file_loaded_without_keras_mp_is_refused_by_name_and_with_it_exact(tmp_path):
     """Issue 63.10, at O2 float16 and O3 bfloat16: the head computes in half
     and returns float32 and its softmax runs in float32, which keras_mp does

@@ -3,13 +3,12 @@ of the model is an error naming the argument, the name and the nearest
 layer names; classes and layers are not names."""
 
 import keras
+import numpy as np
 import pytest
 
 import keras_mp
 
-pytestmark = pytest.mark.skipif(
-    keras.backend.backend() != "torch", reason="a check of the arguments: proven once"
-)
+pytestmark = pytest.mark.one_backend
 
 
 def _model():
@@ -57,3 +56,29 @@ def test_names_of_nested_layers_classes_and_layers_pass():
     )
     assert model.get_layer("encoder").get_layer("body").dtype_policy.name == "float32"
     assert model.get_layer("encoder").get_layer("hidden").dtype_policy.name == "mixed_float16"
+
+
+class _BuildsItsEncoder(keras.Model):
+    """A subclassed model whose `build` creates the layer a name denies."""
+
+    def __init__(self):
+        super().__init__()
+        self.out = keras.layers.Dense(1, name="out")
+
+    def build(self, shape):
+        self.encoder = keras.layers.Dense(8, name="late_encoder")
+        self.encoder.build(shape)
+
+    def call(self, x):
+        return self.out(self.encoder(x))
+
+
+def test_a_layer_made_in_build_is_named_once_the_model_is_built():
+    """Checked when the model is built (compile, then fit), not before: the
+    name of a layer its `build` creates is no error."""
+    model = _BuildsItsEncoder()
+    model.compile(optimizer="sgd", loss="mse", amp_level="O2", amp_deny=["late_encoder"])
+    x = np.ones((4, 4), "float32")
+    model.fit(x, x[:, :1], verbose=0)
+    assert model.encoder.dtype_policy.name == "float32"
+    assert "deny" in keras_mp.precision_summary(model).rows[-1]["rule"]

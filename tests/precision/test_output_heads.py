@@ -16,9 +16,7 @@ import keras_mp
 from keras_mp._src.precision import output_heads
 
 L = keras.layers
-pytestmark = pytest.mark.skipif(
-    keras.backend.backend() != "torch", reason="the rule's decision: backend-independent"
-)
+pytestmark = pytest.mark.one_backend
 ONES = keras.initializers.Constant(1.0)
 X = np.full((2, 8), 2000.0, "float32")  # 8 * 2000 * 8 = 128000 at a price head
 SCE = "sparse_categorical_crossentropy"
@@ -97,6 +95,28 @@ def test_every_output_of_a_subclassed_model_is_a_head(built):
     # The trace left no node on the layers (called only on tensors).
     with pytest.raises(AttributeError):
         model.price.output
+
+
+class Untraceable(TwoHeads):
+    def call(self, x):
+        h = self.body(x)
+        # A value read in Python: no symbolic trace can run this call.
+        if float(keras.ops.convert_to_numpy(keras.ops.max(x))) > 1e9:
+            h = h * 0.0
+        return keras.ops.squeeze(self.price(h), -1), self.cls(h)
+
+
+def test_a_call_that_cannot_be_traced_keeps_as_many_heads_as_losses_in_float32():
+    """Which layer makes which output is not known: its last two layers
+    with weights, one per loss, each given the regression's loss (the
+    cautious one). The price head, not the last layer called, no longer
+    predicts inf at O2 float16."""
+    model = Untraceable()
+    model(X)
+    model.compile(optimizer="adam", loss=["mae", SCE], amp_level="O2")
+    assert _dtypes(model) == {"body": "float16", "price": "float32", "cls": "float32"}
+    price, _ = model.predict(X, verbose=0)
+    np.testing.assert_allclose(price, 128000.0)
 
 
 def test_a_model_compiled_before_it_is_built_is_decided_when_built():

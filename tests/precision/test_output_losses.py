@@ -14,6 +14,8 @@ import pytest
 import keras_mp
 from keras_mp._src.precision import output_losses
 
+pytestmark = pytest.mark.one_backend
+
 L = keras.layers
 
 

@@ -106,7 +106,8 @@ def test_a_norm_with_state_of_its_own_is_computed_once_a_step():
         assert float(keras.ops.convert_to_numpy(norm.calls)) == 1.0
 
 
-@pytest.mark.parametrize("level", ["O2", "O0"])
+# O2's recomputed norms are saved each backend's way; O0 has none to save.
+@pytest.mark.parametrize("level", ["O2", pytest.param("O0", marks=pytest.mark.one_backend)])
 def test_a_model_with_recomputed_norms_saves_and_reloads(tmp_path, level):
     x, _ = _data()
     model = _model()

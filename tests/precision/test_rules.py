@@ -13,6 +13,8 @@ from keras_mp._src.precision import amp_settings
 from keras_mp._src.precision import rules
 from keras_mp._src.precision.layer_kinds import of_class
 
+pytestmark = pytest.mark.one_backend
+
 L = keras.layers
 
 

@@ -1,4 +1,8 @@
-"""The precision doctor, `keras_mp.analyze`, against direct computations."""
+"""The precision doctor, `keras_mp.analyze`, against direct computations.
+
+Each backend takes the gradients and records the activations its own way:
+the known gradient and the overflowing layer run on each. The report's
+arithmetic, its table and its advice are proven once (`one_backend`)."""
 
 import keras
 import numpy as np
@@ -8,8 +12,6 @@ import keras_mp
 from keras_mp._src.tools import half_range
 from tests.tools.test_half_range import KNOWN
 from tests.tools.test_half_range import direct_underflow
-
-BACKEND = keras.backend.backend()
 
 # Gradient values chosen across float16's range: some flush to zero at a
 # scale of 1, fewer at 2**10, one passes float16's maximum at 2**10.
@@ -100,6 +102,7 @@ def test_flags_a_layer_that_overflows_float16_and_leaves_the_model_alone():
         np.testing.assert_array_equal(b, a)
 
 
+@pytest.mark.one_backend
 def test_healthy_model_and_bfloat16():
     model = _cnn()
     x, y = _batch()
@@ -112,6 +115,7 @@ def test_healthy_model_and_bfloat16():
     assert all(r["underflow_current"] in (None, 0.0) for r in bf16.rows)
 
 
+@pytest.mark.one_backend
 def test_prints_a_table(capsys):
     model = _cnn()
     x, y = _batch()
@@ -122,6 +126,7 @@ def test_prints_a_table(capsys):
     assert "Recommended initial loss scale:" in out
 
 
+@pytest.mark.one_backend
 def test_the_table_fits_100_columns_with_long_names_and_notes():
     keras.utils.set_random_seed(0)
     long_name = "a_dense_layer_with_a_name_as_long_as_a_keras_hub_path_" + "x" * 60 + "_end"
@@ -139,6 +144,7 @@ def test_the_table_fits_100_columns_with_long_names_and_notes():
     assert any(line.startswith("...") and "x_end (Dense)" in line for line in lines)
 
 
+@pytest.mark.one_backend
 def test_keeps_the_current_scale_when_a_change_would_not_help():
     """Nothing underflows at 2**10 here: the largest safe scale (2**14)
     would gain nothing, so the doctor says to keep 2**10."""
@@ -163,6 +169,7 @@ def test_keeps_the_current_scale_when_a_change_would_not_help():
     assert "flushes" in small.advice and "the current 1024" in small.advice
 
 
+@pytest.mark.one_backend
 def test_attention_and_subclassed_models():
     class Block(keras.Model):
         def __init__(self, **kwargs):
@@ -188,6 +195,7 @@ def test_attention_and_subclassed_models():
     assert grads == sum(int(np.prod(v.shape)) for v in model.trainable_variables)
 
 
+@pytest.mark.one_backend
 def test_plot(tmp_path):
     pytest.importorskip("matplotlib")
     model = _known_gradient_model(2.0**10)
@@ -197,6 +205,7 @@ def test_plot(tmp_path):
     assert len(figure.axes[0].lines) == 4  # underflow/overflow x current/recommended
 
 
+@pytest.mark.one_backend
 @pytest.mark.parametrize(
     "kwargs, error, fragment",
     [
@@ -215,6 +224,7 @@ def test_bad_arguments(kwargs, error, fragment):
         keras_mp.analyze(model, x, **arguments)
 
 
+@pytest.mark.one_backend
 def test_needs_a_loss():
     model = keras.Sequential([keras.Input((3,)), keras.layers.Dense(1)])
     with pytest.raises(ValueError, match="Received: loss=None"):
@@ -223,7 +233,7 @@ def test_needs_a_loss():
         keras_mp.analyze("model", np.zeros((2, 3)), np.zeros((2, 1)))
 
 
-@pytest.mark.skipif(BACKEND != "tensorflow", reason="the main backend (CI time: JAX compiles fit)")
+@pytest.mark.one_backend
 @pytest.mark.parametrize("family", ["gemma", "gpt2"])
 def test_a_language_model_s_head_in_float16_keeps_its_headroom(family):
     """The output rule puts a causal LM's tied head (its logits matmul) in

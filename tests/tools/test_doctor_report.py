@@ -1,9 +1,12 @@
 """The doctor's report: its table's width and notes, its percentages."""
 
 import numpy as np
+import pytest
 
 from keras_mp._src.tools import doctor_report
 from keras_mp._src.tools.table import WIDTH
+
+pytestmark = pytest.mark.one_backend
 
 
 def _row(name, reason=None):

@@ -67,15 +67,34 @@ class Subclassed(keras.Model):
         return self.logits(self.bn(self.hidden(x), training=training))
 
 
-def _trained(level, dtype, kind="functional"):
+def _trained(level, dtype, kind):
     keras.utils.set_random_seed(0)
     model = _functional() if kind == "functional" else Subclassed()
     loss = keras.losses.SparseCategoricalCrossentropy(from_logits=kind != "functional")
-    amp = dict(amp_level=level) if level == "O0" else dict(amp_level=level, amp_dtype=dtype)
-    model.compile(optimizer="adam", loss=loss, **amp)
+    model.compile(optimizer="adam", loss=loss, amp_level=level, amp_dtype=dtype)
     x, y = _data()
-    model.fit(x, y, batch_size=8, epochs=2, verbose=0)
+    model.fit(x, y, batch_size=8, epochs=1, verbose=0)  # BatchNorm's statistics move
     return model
+
+
+# Two models, trained once for the module: between them the cells whose
+# export differs. float16 with float32 variables (O2: the copy's float32
+# weights could be the model's own arrays) in a functional model; bfloat16
+# with half variables (O3: the copy casts them) in a subclassed one. Both
+# carry a LossScaleOptimizer. Tests that train them further compare with
+# what the model computes then.
+@pytest.fixture(scope="module")
+def float16_model():
+    return _trained("O2", "float16", "functional")
+
+
+@pytest.fixture(scope="module")
+def bfloat16_model():
+    return _trained("O3", "bfloat16", "subclassed")
+
+
+def _layer(model, name):
+    return getattr(model, name) if isinstance(model, Subclassed) else model.get_layer(name)
 
 
 def _tf():
@@ -105,21 +124,47 @@ def _serve(signature, x):
     return out.numpy()
 
 
+def _graph_dtypes(signature):
+    """The dtypes the served TensorFlow graph's ops compute in, inside the
+    functions it calls too (a signature's own graph is one call)."""
+    tf = _tf()
+    graph = signature.graph.as_graph_def()
+    nodes = [*graph.node, *(n for f in graph.library.function for n in f.node_def)]
+    return {
+        tf.dtypes.as_dtype(t).name
+        for n in nodes
+        for a in n.attr.values()
+        for t in ([a.type] if a.HasField("type") else list(a.list.type))
+    }
+
+
+def _assets_written(caplog):
+    return [r for r in caplog.records if "Assets written" in r.getMessage()]
+
+
 @needs_saved_model
-@pytest.mark.parametrize("kind", ["functional", "subclassed"])
 @pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
-@pytest.mark.parametrize("level", ["O1", "O2", "O3"])
-def test_model_export_serves_float32(tmp_path, level, dtype, kind):
-    model = _trained(level, dtype, kind)
+def test_model_export_serves_float32(tmp_path, caplog, request, dtype):
+    """`model.export(path)` as trained: the half graph inside (SavedModels
+    run float16 and bfloat16), float32 in and out, computing what `predict`
+    does; TensorFlow's INFO lines shown (as a notebook shows them) unless
+    `verbose=False` (`test_keras_mp_export_float32_for_cpu_serving`)."""
+    model = request.getfixturevalue(f"{dtype}_model")
     x, _ = _data()
     expected = model.predict(x, verbose=0)
     assert expected.dtype == np.float32
     path = str(tmp_path / "exported")
-    model.export(path, verbose=False)
+    caplog.set_level(logging.INFO, logger="tensorflow")
+    model.export(path)
+    assert _assets_written(caplog)
 
     loaded, signature = _load(path)
     assert sorted(loaded.signatures) == ["serve", "serving_default"]
     _assert_float32_signature(signature)
+    if BACKEND == "tensorflow":
+        assert dtype in _graph_dtypes(signature)  # as trained, not a float32 copy
+    elif dtype == "bfloat16":  # jax2tf's graph is one XLA call: its half variables
+        assert dtype in {v.dtype.name for v in loaded.variables}
     tolerance = _tolerance(dtype)
     np.testing.assert_allclose(_serve(signature, x), expected, **tolerance)
     np.testing.assert_allclose(loaded.serve(_tf().constant(x)).numpy(), expected, **tolerance)
@@ -129,12 +174,12 @@ def test_model_export_serves_float32(tmp_path, level, dtype, kind):
 
 
 @pytest.mark.skipif(BACKEND != "tensorflow", reason="tf.saved_model.save takes TensorFlow objects")
-@pytest.mark.parametrize("kind", ["functional", "subclassed"])
-@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
-@pytest.mark.parametrize("level", ["O1", "O2", "O3"])
-def test_tf_saved_model_save(tmp_path, level, dtype, kind):
+def test_tf_saved_model_save(tmp_path, bfloat16_model):
+    """TensorFlow's own `tf.saved_model.save` of a model with half
+    variables, a LossScaleOptimizer and master weights (subclassed: its
+    signature traced from its call)."""
+    model = bfloat16_model
     tf = _tf()
-    model = _trained(level, dtype, kind)
     x, _ = _data()
     path = str(tmp_path / "saved")
     tf.saved_model.save(model, path)
@@ -142,7 +187,7 @@ def test_tf_saved_model_save(tmp_path, level, dtype, kind):
     assert sorted(loaded.signatures) == ["serving_default"]
     _assert_float32_signature(signature)
     expected = model.predict(x, verbose=0)
-    np.testing.assert_allclose(_serve(signature, x), expected, **_tolerance(dtype))
+    np.testing.assert_allclose(_serve(signature, x), expected, **_tolerance("bfloat16"))
 
 
 def _policies(model):
@@ -152,10 +197,87 @@ def _policies(model):
     ]
 
 
-@pytest.mark.parametrize("kind", ["functional", "subclassed"])
-@pytest.mark.parametrize("level", ["O2", "O3"])
-def test_serving_copy_computes_in_float32_and_leaves_the_model_alone(level, kind):
-    model = _trained(level, "float16", kind)
+def _reference_forward(model, x):
+    """The model's forward pass in float64 NumPy, from its weights."""
+    w = [_numpy(v).astype("float64") for v in model.weights]
+    kernel1, bias1, gamma, beta, mean, var, kernel2, bias2 = w
+    bn = _layer(model, "bn")
+    h = np.maximum(x.astype("float64") @ kernel1 + bias1, 0)
+    h = (h - mean) / np.sqrt(var + bn.epsilon) * gamma + beta
+    logits = h @ kernel2 + bias2
+    if isinstance(model, Subclassed):
+        return logits
+    e = np.exp(logits - logits.max(axis=1, keepdims=True))
+    return e / e.sum(axis=1, keepdims=True)
+
+
+@needs_saved_model
+def test_keras_mp_export_float32_for_cpu_serving(tmp_path, caplog, bfloat16_model):
+    """A model computing in half everywhere (O3) served from a float32 copy:
+    float32 variables, not one half tensor in the served graph, the float64
+    forward pass of its weights to float32's rounding; the model untouched,
+    and `verbose=False` quiet where TensorFlow logs at INFO."""
+    model = bfloat16_model
+    weights = [w.copy() for w in model.get_weights()]
+    path = str(tmp_path / "served")
+    caplog.set_level(logging.INFO, logger="tensorflow")
+    keras_mp.export(model, path, dtype="float32", verbose=False)
+    assert not _assets_written(caplog)
+    assert logging.getLogger("tensorflow").level == logging.INFO  # restored
+
+    loaded, signature = _load(path)
+    assert sorted(loaded.signatures) == ["serve", "serving_default"]
+    _assert_float32_signature(signature)
+    # The artifact holds float32 weights and computes in float32.
+    assert {v.dtype.name for v in loaded.variables} == {"float32"}
+    if BACKEND == "tensorflow":
+        assert not {"float16", "bfloat16"} & _graph_dtypes(signature)
+    x, _ = _data()
+    np.testing.assert_allclose(
+        _serve(signature, x), _reference_forward(model, x), rtol=1e-5, atol=1e-6
+    )
+    for before, after in zip(weights, model.get_weights()):
+        np.testing.assert_array_equal(before, after)
+
+
+@needs_saved_model
+def test_keras_mp_export_in_bfloat16(tmp_path, float16_model):
+    """A float16 model served from a bfloat16 copy."""
+    model = float16_model
+    path = str(tmp_path / "served")
+    keras_mp.export(model, path, dtype="bfloat16", verbose=False)
+    loaded, signature = _load(path)
+    _assert_float32_signature(signature)
+    assert "bfloat16" in {v.dtype.name for v in loaded.variables}
+    x, _ = _data()
+    np.testing.assert_allclose(
+        _serve(signature, x), model.predict(x, verbose=0), **_tolerance("bfloat16")
+    )
+
+
+def test_serving_copy_in_half(bfloat16_model):
+    """A bfloat16 model's float16 copy: half variables, BatchNorm kept in
+    float32, float32 out."""
+    model = bfloat16_model
+    copy = keras_mp.serving_copy(model, "float16")
+    assert _layer(copy, "hidden").dtype_policy.name == "float16"
+    assert keras.backend.standardize_dtype(_layer(copy, "hidden").kernel.dtype) == "float16"
+    assert _layer(copy, "bn").dtype_policy.name == "float32"  # keep_batchnorm_fp32
+    x, _ = _data()
+    out = copy(x)
+    assert keras.backend.standardize_dtype(out.dtype) == "float32"
+    np.testing.assert_allclose(_numpy(out), model.predict(x, verbose=0), **_tolerance("bfloat16"))
+
+
+# The tests below train their model further.
+
+
+def test_serving_copy_computes_in_float32_and_leaves_the_model_alone(bfloat16_model):
+    """The float32 copy of a model with half variables (a subclassed one,
+    rebuilt from its config): float32 everywhere, the same weights, the
+    float64 forward pass to float32's rounding; the model's weights,
+    policies and compile config untouched, and it still trains."""
+    model = bfloat16_model
     weights = [w.copy() for w in model.get_weights()]
     policies = _policies(model)
     config = model.get_compile_config()
@@ -164,40 +286,27 @@ def test_serving_copy_computes_in_float32_and_leaves_the_model_alone(level, kind
     assert copy is not model and not copy.compiled
     assert {layer.dtype_policy.name for layer in copy._flatten_layers()} == {"float32"}
     assert {keras.backend.standardize_dtype(w.dtype) for w in copy.weights} == {"float32"}
-    # Same weights (float16 values are exact in float32).
+    # Same weights (half values are exact in float32).
     for w, c in zip(model.weights, copy.weights):
         np.testing.assert_array_equal(_numpy(c), _numpy(w).astype("float32"))
-    x, _ = _data()
-    # The float32 copy against a float64 NumPy forward pass of the same weights.
-    np.testing.assert_allclose(
-        _numpy(copy(x)), _reference_forward(model, x, kind), rtol=1e-5, atol=1e-6
-    )
+    x, y = _data()
+    np.testing.assert_allclose(_numpy(copy(x)), _reference_forward(model, x), rtol=1e-5, atol=1e-6)
 
     # The training model is untouched and still trains.
     for before, after in zip(weights, model.get_weights()):
         np.testing.assert_array_equal(before, after)
     assert _policies(model) == policies
     assert model.get_compile_config() == config
-    model.fit(x, _data()[1], epochs=1, verbose=0)
+    model.fit(x, y, epochs=1, verbose=0)
 
 
-@pytest.mark.parametrize(
-    "level, dtype",
-    [
-        ("O0", "float32"),
-        ("O1", "float16"),
-        ("O2", "bfloat16"),
-        ("O3", "float16"),
-        ("O3", "bfloat16"),
-    ],
-)
-def test_a_serving_copy_never_touches_its_model(tmp_path, level, dtype):
+def test_a_serving_copy_never_touches_its_model(tmp_path, float16_model):
     """Used, exported and deleted, a serving copy leaves its model exactly as
     it was: the model predicts, trains, saves and reloads bit for bit as a
-    twin that never had a copy. (On JAX the copy's weights were the model's
-    own arrays, and `predict` donates its arguments: the copy's first
-    `predict` deleted the model's weights.)"""
-    model = _trained(level, dtype)
+    twin that never had a copy. (On JAX the copy's float32 weights were the
+    model's own arrays, and `predict` donates its arguments: the copy's
+    first `predict` deleted the model's weights.)"""
+    model = float16_model
     model.save(str(tmp_path / "twin.keras"))
     x, y = _data()
     before = model.predict(x, verbose=0)
@@ -223,99 +332,16 @@ def test_a_serving_copy_never_touches_its_model(tmp_path, level, dtype):
     np.testing.assert_array_equal(reloaded.predict(x, verbose=0), model.predict(x, verbose=0))
 
 
-def _reference_forward(model, x, kind):
-    w = [_numpy(v).astype("float64") for v in model.weights]
-    kernel1, bias1, gamma, beta, mean, var, kernel2, bias2 = w
-    bn = model.get_layer("bn") if kind == "functional" else model.bn
-    h = np.maximum(x.astype("float64") @ kernel1 + bias1, 0)
-    h = (h - mean) / np.sqrt(var + bn.epsilon) * gamma + beta
-    logits = h @ kernel2 + bias2
-    if kind == "subclassed":
-        return logits
-    e = np.exp(logits - logits.max(axis=1, keepdims=True))
-    return e / e.sum(axis=1, keepdims=True)
-
-
-@pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
-def test_serving_copy_in_half(dtype):
-    model = _trained("O2", "float16")
-    copy = keras_mp.serving_copy(model, dtype)
-    assert copy.get_layer("hidden").dtype_policy.name == dtype
-    assert keras.backend.standardize_dtype(copy.get_layer("hidden").kernel.dtype) == dtype
-    assert copy.get_layer("bn").dtype_policy.name == "float32"  # keep_batchnorm_fp32
-    x, _ = _data()
-    out = copy(x)
-    assert keras.backend.standardize_dtype(out.dtype) == "float32"
-    tolerance = _tolerance(dtype)
-    np.testing.assert_allclose(_numpy(out), model.predict(x, verbose=0), **tolerance)
-
-
-@needs_saved_model
-@pytest.mark.parametrize("kind", ["functional", "subclassed"])
-def test_keras_mp_export_float32_for_cpu_serving(tmp_path, kind):
-    model = _trained("O3", "float16", kind)
-    weights = [w.copy() for w in model.get_weights()]
-    path = str(tmp_path / "served")
-    keras_mp.export(model, path, dtype="float32", verbose=False)
-
-    loaded, signature = _load(path)
-    assert sorted(loaded.signatures) == ["serve", "serving_default"]
-    _assert_float32_signature(signature)
-    # The artifact holds float32 weights and computes in float32.
-    assert {v.dtype.name for v in loaded.variables} == {"float32"}
-    if BACKEND == "tensorflow":
-        graph = signature.graph
-        half = [
-            op.name
-            for op in graph.get_operations()
-            for t in op.outputs
-            if t.dtype.name in ("float16", "bfloat16")
-        ]
-        assert half == []
-    x, _ = _data()
-    np.testing.assert_allclose(
-        _serve(signature, x), _reference_forward(model, x, kind), rtol=1e-5, atol=1e-6
-    )
-    for before, after in zip(weights, model.get_weights()):
-        np.testing.assert_array_equal(before, after)
-
-
-@needs_saved_model
-def test_keras_mp_export_in_bfloat16(tmp_path):
-    model = _trained("O2", "float16")
-    path = str(tmp_path / "served")
-    keras_mp.export(model, path, dtype="bfloat16", verbose=False)
-    loaded, signature = _load(path)
-    _assert_float32_signature(signature)
-    assert "bfloat16" in {v.dtype.name for v in loaded.variables}
-    x, _ = _data()
-    np.testing.assert_allclose(
-        _serve(signature, x), model.predict(x, verbose=0), rtol=5e-2, atol=2e-2
-    )
-
-
-@needs_saved_model
-def test_export_verbose_false_is_quiet_where_tensorflow_logs_at_info(tmp_path, caplog):
-    """A notebook shows TensorFlow's INFO lines ("Assets written to ..."):
-    `verbose=False` silences them; the default keeps them."""
-    model = _trained("O2", "float16")
-    caplog.set_level(logging.INFO, logger="tensorflow")
-    keras_mp.export(model, str(tmp_path / "quiet"), verbose=False)
-    assert not [r for r in caplog.records if "Assets written" in r.getMessage()]
-    assert logging.getLogger("tensorflow").level == logging.INFO  # restored
-    keras_mp.export(model, str(tmp_path / "default"))
-    assert [r for r in caplog.records if "Assets written" in r.getMessage()]
-
-
+@pytest.mark.one_backend
 @pytest.mark.parametrize("dtype", ["float64", "mixed_float16", 16, None])
-def test_export_rejects_unknown_dtype(tmp_path, dtype):
-    model = _trained("O2", "float16")
+def test_export_rejects_unknown_dtype(tmp_path, float16_model, dtype):
     with pytest.raises(
         ValueError, match=r"`dtype` must be one of float32, float16, bfloat16.*Received: dtype="
     ):
-        keras_mp.export(model, str(tmp_path / "x"), dtype=dtype)
+        keras_mp.export(float16_model, str(tmp_path / "x"), dtype=dtype)
 
 
+@pytest.mark.one_backend
 def test_export_rejects_non_models(tmp_path):
     with pytest.raises(TypeError, match="Received: model="):
         keras_mp.export("model.keras", str(tmp_path / "x"))
@@ -326,9 +352,9 @@ def test_export_rejects_non_models(tmp_path):
 
 
 @pytest.mark.skipif(BACKEND != "torch", reason="the PyTorch backend's limitation")
-def test_torch_says_how_to_export(tmp_path):
+def test_torch_says_how_to_export(tmp_path, float16_model):
     """From PyTorch: a clear error, and the workaround it names works."""
-    model = _trained("O2", "float16")
+    model = float16_model
     with pytest.raises(NotImplementedError, match="torch_xla.*KERAS_BACKEND=tensorflow"):
         keras_mp.export(model, str(tmp_path / "x"))
     keras_path = str(tmp_path / "model.keras")

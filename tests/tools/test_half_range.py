@@ -8,6 +8,8 @@ from hypothesis import strategies as st
 
 from keras_mp._src.tools import half_range
 
+pytestmark = pytest.mark.one_backend
+
 KNOWN = np.array([1e-12, 1e-10, 3e-9, 2e-8, 1e-6, 1e-3, 0.5, 100.0], "float32")
 
 

@@ -31,10 +31,7 @@ CPU_NOISE = 0.05
 LEVEL = re.compile(r"^(O[123]) (float16|bfloat16|float8)$")
 NUMBER = re.compile(r"(\d+(?:\.\d+)?)")
 
-pytestmark = pytest.mark.skipif(
-    keras.backend.backend() != "torch",
-    reason="the bound does not depend on the backend: the PyTorch suite checks it",
-)
+pytestmark = pytest.mark.one_backend
 
 
 def sections():

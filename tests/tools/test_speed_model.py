@@ -3,11 +3,14 @@ against arithmetic done here."""
 
 import keras
 import numpy as np
+import pytest
 
 from keras_mp._src.precision import amp_settings
 from keras_mp._src.precision import speed_trace
 from keras_mp._src.precision import step_cost
 from keras_mp._src.tools import speed_model
+
+pytestmark = pytest.mark.one_backend
 
 
 def _model(units):

@@ -3,9 +3,12 @@ in the order the model runs; the optimizers the model holds."""
 
 import keras
 import numpy as np
+import pytest
 
 import keras_mp
 from tests import models
+
+pytestmark = pytest.mark.one_backend
 
 NAMES = ["conv", "bn", "relu", "flatten", "hidden", "ln", "logits", "probs"]
 

@@ -1,9 +1,12 @@
 """The table renderer of the reports: aligned columns, a fitted width, notes."""
 
+import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
 from keras_mp._src.tools import table
+
+pytestmark = pytest.mark.one_backend
 
 
 def test_columns_are_aligned_under_their_headers():

@@ -28,8 +28,8 @@ half elementwise ops by converting to float32: they need not be faster
 than float32's), and `launch_seconds` what a step costs beyond its
 arithmetic, per launch as `precision/step_cost.py` counts them: a proxy of
 `PROXY_DEPTH` Dense(8) layers with Adam, whose arithmetic takes
-microseconds, trained with `train_on_batch` at O0 (float32) or O2 in the
-half dtype, the fastest of its steps over its `PROXY_LAUNCHES`. It folds
+microseconds, trained with `train_on_batch` at O0 (float32) and at O2 in
+each half dtype, in turns, the fastest of its steps over its `PROXY_LAUNCHES`. It folds
 in all that a level adds to a small step (the casts, the loss scale's
 check, the skip, half small matmuls that miss the fast path), which is
 why a 64-wide MLP trains slower at O2 bfloat16 than at O0 on a CPU whose
@@ -115,9 +115,12 @@ def elementwise_rate(dtype):
 def launch_seconds(dtype):
     """Seconds a step costs beyond its arithmetic, per launch, at O0
     (`"float32"`) or at O2 in the half `dtype`, with this process's backend
-    (the proxy's step, measured once, then cached); None where the proxy
-    cannot train in this process."""
-    return _cached(("launch", dtype), lambda: _proxy_step(dtype))
+    (the proxy's steps, measured once, then cached); None where the proxy
+    cannot train in this process. The proxies of O0 and of both half dtypes
+    are timed in turns, so that a machine's load weighs on each alike:
+    their ratios are what `auto` decides from."""
+    steps = _cached("launch", _proxy_steps)
+    return None if steps is None else steps[dtype]
 
 
 def _cached(key, measure):
@@ -166,16 +169,22 @@ def proxy_model():
     )
 
 
-def _proxy_step(dtype):
+def _proxy_steps():
+    """`{dtype: per-launch seconds}` of the proxy at O0 (`"float32"`) and at
+    O2 in each half dtype, timed in turns."""
     try:
-        return (
-            _proxy_step_seconds(dtype) / PROXY_LAUNCHES["float32" if dtype == "float32" else "half"]
-        )
+        runs = {dtype: _proxy_step(dtype) for dtype in ("float32", "bfloat16", "float16")}
+        best = _fastest_in_turns(runs, PROXY_STEPS, PROXY_BUDGET_SECONDS)
     except Exception:  # A step this process cannot run (a distribution that
         return None  # shards the batch of 8 over its devices): not known.
+    return {
+        dtype: seconds / PROXY_LAUNCHES["float32" if dtype == "float32" else "half"]
+        for dtype, seconds in best.items()
+    }
 
 
-def _proxy_step_seconds(dtype):
+def _proxy_step(dtype):
+    """A step of the proxy at O0 (`"float32"`) or O2 in `dtype`, compiled."""
     import keras
 
     model = proxy_model()
@@ -183,7 +192,24 @@ def _proxy_step_seconds(dtype):
     level = {} if dtype == "float32" else {"amp_level": "O2", "amp_dtype": dtype}
     model.compile(optimizer=keras.optimizers.Adam(1e-9), loss="mse", **level)
     x = np.ones((PROXY_WIDTH, PROXY_WIDTH), "float32")
-    return _fastest(lambda: model.train_on_batch(x, x), PROXY_STEPS, PROXY_BUDGET_SECONDS)
+    return lambda: model.train_on_batch(x, x)
+
+
+def _fastest_in_turns(runs, most, budget):
+    """`{name: fastest seconds}` of `runs` (`{name: callable}`), each run
+    once to compile, then in turns, `most` rounds or `budget` seconds."""
+    for run in runs.values():
+        run()
+    seconds = {name: [] for name in runs}
+    start_all = time.perf_counter()
+    for _ in range(most):
+        for name, run in runs.items():
+            start = time.perf_counter()
+            run()
+            seconds[name].append(time.perf_counter() - start)
+        if time.perf_counter() - start_all > budget and len(seconds[name]) >= MIN_RUNS:
+            break
+    return {name: min(times) for name, times in seconds.items()}
 
 
 @functools.cache

@@ -362,8 +362,17 @@ class _Window:
             self._restart(steps, skipped, scale)
 
     def _fall(self, scale):
-        """How many back-offs took the dynamic scale from the window's start to `scale`."""
+        """How many back-offs took the dynamic scale from the window's start
+        to `scale`, counted down to `_LOWEST_NEEDED` only: a float16
+        gradient that overflows below it is over 1e12, which no scale
+        explains (an infinite loss at every scale, a diverged model)."""
         optimizer = self.optimizer
+        scale = max(scale, _LOWEST_NEEDED)
         if not optimizer.dynamic or scale >= self.scale:
             return 0
         return round(math.log(self.scale / scale) / -math.log(optimizer.backoff_factor))
+
+
+# The lowest scale a run's gradients are taken to need (float16's largest
+# value, 65504, over it is 1.1e12).
+_LOWEST_NEEDED = 2.0**-24

@@ -42,6 +42,7 @@ import keras
 
 from keras_mp._src import keras_internals
 from keras_mp._src.model import saved_precision
+from keras_mp._src.precision import layer_policy
 from keras_mp._src.precision import layer_tree
 from keras_mp._src.precision import policies
 from keras_mp._src.precision.loadable_config import AmpPolicy
@@ -61,7 +62,7 @@ def record_of(model):
     keras_mp set no layer's, or where Keras's configs alone rebuild what it
     set (every layer in float32 and nothing cast: O0)."""
     layers = layer_tree.layers_in_order(model)
-    if all(policies.rule_of(layer) == policies.KERAS_DEFAULT_RULE for layer in layers):
+    if all(layer_policy.rule_of(layer) == layer_policy.KERAS_DEFAULT_RULE for layer in layers):
         return None
     if not any(
         policies.needs_keras_mp(layer)

@@ -19,6 +19,7 @@ import keras
 
 from keras_mp._src import keras_internals
 from keras_mp._src.precision import boundaries
+from keras_mp._src.precision import layer_policy
 from keras_mp._src.precision import layer_tree
 from keras_mp._src.precision import policies
 from keras_mp._src.precision import probabilities
@@ -64,8 +65,8 @@ def precision_record(model):
         length = getattr(layer.dtype_policy, "amax_history_length", None)
         if length is not None:  # Keras's float8 policy: its recipe too
             entry["amax_history_length"] = length
-        rule = policies.rule_of(layer)
-        if rule != policies.KERAS_DEFAULT_RULE:
+        rule = layer_policy.rule_of(layer)
+        if rule != layer_policy.KERAS_DEFAULT_RULE:
             entry["rule"] = rule
         casts = boundaries.casts_of(layer)
         if casts is not None:
@@ -101,9 +102,9 @@ def restore_precision(model, record):
                 policy.split("_from_", 1)[1],
                 amax_history_length=entry["amax_history_length"],
             )
-        rule = entry.get("rule", policies.rule_of(layer))
+        rule = entry.get("rule", layer_policy.rule_of(layer))
         decisions.append((layer, (policy, rule)))
-    policies.set_policies(model, decisions)
+    layer_policy.set_policies(model, decisions)
     probabilities.set_probabilities(layers)
     for layer, entry in zip(layers, record):
         boundaries.set_boundary_casts(layer, *(entry.get("casts") or (None, None)))

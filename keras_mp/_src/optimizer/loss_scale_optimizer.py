@@ -315,7 +315,10 @@ class LossScaleOptimizer(
         if trainable_variables is None:
             trainable_variables = self._trainable_variables
         trainable_variables = list(trainable_variables)
-        if (taker := float32_grads_of(self)) is not None:
+        # (No `:=` here: AutoGraph, which converts `apply` in a user's
+        # `tf.function`, cannot transform it and says so in the log.)
+        taker = float32_grads_of(self)
+        if taker is not None:
             grads = taker.filled(grads, trainable_variables)
         unscaled_by_caller = self._grads_unscaled_by_caller
         self._grads_unscaled_by_caller = False

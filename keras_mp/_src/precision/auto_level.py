@@ -73,7 +73,8 @@ def auto_level_rule(
     - A GPU with tensor cores (compute capability >= 7.0): O2 in float16,
       with dynamic loss scaling; bfloat16 where the GPU has it natively (>= 8.0)
       needs no scaling, but float16 is the common baseline. Where the
-      model's step is bound by its kernel launches, the reason says so.
+      model's step is predicted slower at O2 (its kernel launches dominate
+      it), O0; where they weigh on it, the reason says so.
     - A CPU: O2 in bfloat16 (or the `dtype` named) where its flags name
       native instructions for it (bfloat16: AVX512-BF16, AMX, Arm's BF16;
       float16: AVX512-FP16, AMX-FP16; no flags known: the timings alone)
@@ -110,9 +111,18 @@ def auto_level_rule(
             )
         if gpu_capability >= (7, 0):
             reason = f"GPU with tensor cores (compute capability {major}.{minor})"
+            if isinstance(step, step_time.Prediction) and step.speedup < 1.0:
+                # A step its launches dominate: O2's casts add launches and
+                # its matmuls had little to save.
+                return (
+                    "O0",
+                    "float16",
+                    f"{reason}, but {step.explain()}: half precision would slow this "
+                    "step (a larger batch or model hides the launches)",
+                )
             if isinstance(step, step_time.Prediction) and step.at_level.launch_bound:
                 reason += (
-                    f"; but {step.explain()}: expect no speed-up from half precision "
+                    f"; but {step.explain()}: expect little speed-up from half precision "
                     "at this size (a larger batch or model hides them)"
                 )
             return "O2", "float16", reason

@@ -78,8 +78,12 @@ def find(model, loss):
     with contextlib.ExitStack() as stack:
         outputs, consumed = walk.outputs_of(model, stack)
         if outputs is None:
-            heads.losses[("output", 0)] = output_losses.kinds(loss, 0).get(0)
-            walk.guess(model, ("output", 0), False)
+            # Its call could not be traced: as many heads as `compile`'s
+            # losses, its last layers with weights, each given the most
+            # cautious of the losses (which reads which is not known).
+            given = output_losses.several(loss)
+            heads.losses[("output", 0)] = given[0] if given else None
+            walk.guess(model, ("output", 0), False, heads=max(1, len(given)))
         else:
             flat = keras.tree.flatten(outputs)
             leaves = keras.tree.pack_sequence_as(outputs, list(range(len(flat))))
@@ -306,11 +310,11 @@ class _Walk:
             bounded = self.heads.layers.get(id(layer), (None, bounded))[1]
         return True
 
-    def guess(self, layer, key, bounded):
+    def guess(self, layer, key, bounded, heads=1):
         """Where a call cannot be traced: the last layer with weights it
-        runs (`float8.weighted_in_call_order`) is the head; with none, the
-        walk goes on before it (returns True)."""
-        last = float8.weighted_in_call_order(layer)[-1:]
+        runs (`float8.weighted_in_call_order`; the last `heads` of them) is
+        the head; with none, the walk goes on before it (returns True)."""
+        last = float8.weighted_in_call_order(layer)[-heads:]
         for head in last:
             if id(head) not in self.heads.layers:
                 self.add(head, key, bounded)

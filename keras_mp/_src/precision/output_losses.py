@@ -129,6 +129,14 @@ def _pair_nested(loss, y_pred, found, unnamed=False):
         _pair_nested(each, y_pred[key], found)
 
 
+def several(loss):
+    """The `(name, whether a cross-entropy)` of each loss in `loss` (one, a
+    list or a dict), the first a regression's where there is one: what a
+    model whose outputs cannot be traced is given, [] for none."""
+    given = [_kind(each) for each in keras.tree.flatten(loss) if each is not None]
+    return sorted(given, key=lambda k: k[1])
+
+
 def kind(loss):
     """A single loss's `(name, whether a cross-entropy)`, or None for
     several (a list or dict of them) or none."""

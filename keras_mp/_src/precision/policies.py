@@ -9,12 +9,8 @@ boundary casts (`boundaries.py`).
 
 import keras
 
-from keras_mp._src import backends
-from keras_mp._src import keras_internals
 from keras_mp._src.precision import amp_settings
 from keras_mp._src.precision import boundaries
-from keras_mp._src.precision import conditions
-from keras_mp._src.precision import fallback
 from keras_mp._src.precision import float8
 from keras_mp._src.precision import head_returns
 from keras_mp._src.precision import layer_kinds
@@ -26,12 +22,11 @@ from keras_mp._src.precision import rules
 from keras_mp._src.precision.layer_kinds import ALLOW_LIST
 from keras_mp._src.precision.layer_kinds import EXACT_PREPROCESSING
 from keras_mp._src.precision.layer_kinds import matches
-from keras_mp._src.precision.loadable_config import keep_config_loadable
+from keras_mp._src.precision.layer_policy import note_rule
+from keras_mp._src.precision.layer_policy import rule_of
+from keras_mp._src.precision.layer_policy import set_policies
 from keras_mp._src.precision.loadable_config import mark_policies
 
-_RULE_ATTRIBUTE = "_keras_mp_rule"
-# The rule of a layer keras_mp never set.
-KERAS_DEFAULT_RULE = "Keras default"
 # Set on a model that `apply_amp` or `to_float` was given (see `is_amp_model`).
 _AMP_MODEL_ATTRIBUTE = "_keras_mp_amp_model"
 _LAYER_LISTS_ATTRIBUTE = "_keras_mp_layer_lists"
@@ -49,11 +44,6 @@ def is_amp_model(model):
     `compile(amp_level=...)`): what keras_mp changes of Keras's behaviour
     beyond the policies applies to such models only."""
     return getattr(model, _AMP_MODEL_ATTRIBUTE, False)
-
-
-def rule_of(layer):
-    """The rule that set `layer`'s policy (`KERAS_DEFAULT_RULE` if none did)."""
-    return getattr(layer, _RULE_ATTRIBUTE, KERAS_DEFAULT_RULE)
 
 
 def check_model(model, argument="model"):
@@ -157,7 +147,10 @@ def apply(model, amp, set_before=None):
     """`apply_amp` with its settings resolved (`amp_settings.AmpSettings`).
     `set_before`: `{id(layer): (policy name, rule)}` an earlier `apply` set;
     a layer whose policy or rule changed since was set by hand, and keeps it."""
-    named_layers.check_names(model, amp)
+    if model.built or not layer_tree.is_subclassed(model):
+        # A subclassed model's `build` may create the layers named: it is
+        # applied again once built (`when_built`), and checked then.
+        named_layers.check_names(model, amp)
     object.__setattr__(model, _AUTO_ATTRIBUTE, amp.auto)
     outputs = layer_tree.output_layers(model)
     entry_dtype = amp.inner_dtype
@@ -175,7 +168,7 @@ def apply(model, amp, set_before=None):
         [r for r in returns if id(r[0]) not in by_hand], [x for x in layers if id(x) not in by_hand]
     )
     for caller, note in own_float32:
-        object.__setattr__(caller, _RULE_ATTRIBUTE, f"{rule_of(caller)}; {note}")
+        note_rule(caller, f"{rule_of(caller)}; {note}")
     mark_policies(layers, needs_keras_mp)
     if amp.float8 is not None:
         float8.warn_once_where_nothing_computes_fp8()
@@ -241,7 +234,7 @@ def _annotate_returns(returns, layers):
     """Adds to each layer's rule what it returns to its caller, and the
     probability activation it computes in float32."""
     for layer, dtype, caller in returns:
-        rule = getattr(layer, _RULE_ATTRIBUTE, None)
+        rule = rule_of(layer, None)
         if rule is None:
             continue
         if caller is None:  # a model output
@@ -252,12 +245,12 @@ def _annotate_returns(returns, layers):
             rule = f"{rule}; returns {dtype} to {caller.name}"
         if boundaries.keeps_half_output(layer):
             rule = f"{rule} (kept in {dtype} for the backward pass)"
-        object.__setattr__(layer, _RULE_ATTRIBUTE, rule)
+        note_rule(layer, rule)
     for layer in layers:
-        rule = getattr(layer, _RULE_ATTRIBUTE, None)
+        rule = rule_of(layer, None)
         if rule is not None and probabilities.computes_in_float32(layer):
             activation = layer_kinds.probability_activation(layer)
-            object.__setattr__(layer, _RULE_ATTRIBUTE, f"{rule}; {activation} in float32")
+            note_rule(layer, f"{rule}; {activation} in float32")
 
 
 def needs_keras_mp(layer):
@@ -333,66 +326,3 @@ def to_float(layer_or_model, dtype):
     mark_policies([layer for layer, _ in decisions], needs_keras_mp)
     mark_amp_model(layer_or_model)
     return layer_or_model
-
-
-def set_policies(model, decisions):
-    """Sets each `(layer, (policy name or None, rule))`; None keeps the
-    layer's policy. A built layer's variables are converted in place."""
-    changed = False
-    for layer, (policy_name, rule) in decisions:
-        changed = _set_policy(layer, policy_name, rule) or changed
-        if float8.is_float8(layer):
-            float8.follow_input_amax(layer, conditions.frozen(layer, None))
-    if changed:
-        backends.current.variables_changed(model)
-
-
-def _set_policy(layer, policy_name, rule):
-    """Sets the policy; returns whether a built layer's variables changed.
-
-    `policy_name` None keeps the layer's policy (`rules.KEEP`).
-    """
-    object.__setattr__(layer, _RULE_ATTRIBUTE, rule)
-    if policy_name is None:
-        return False
-    keep_config_loadable(layer)
-    policy = keras.dtype_policies.get(policy_name)
-    previous = layer.dtype_policy.variable_dtype
-    quantizes = policy.quantization_mode is not None and layer.built
-    if quantizes:
-        # Keras's float8 policy quantizes a built layer when set (its scales
-        # and amax histories): its variables take the dtype first.
-        layer.dtype_policy = float8.source_of(policy)
-    else:
-        layer.dtype_policy = policy
-    if not layer_tree.is_container(layer) and layer_kinds.runs_users_code(layer):
-        fallback.watch(layer)  # your code: float32 if its call cannot run in half
-    changed = layer.built and _convert_own_variables(layer, previous, policy.variable_dtype)
-    if quantizes:
-        layer.dtype_policy = policy
-        if float8.is_float8(layer):
-            float8.start_scales_from_weights(layer)
-    return changed or quantizes
-
-
-_LORA_WEIGHTS = ("lora_kernel_a", "lora_kernel_b", "lora_embeddings_a", "lora_embeddings_b")
-
-
-def _convert_own_variables(layer, previous, variable_dtype):
-    """Recasts a built layer's own variables of its previous policy's dtype
-    in place (same objects), as building it under the new policy would have
-    created them: a weight created with a dtype of its own (LoRA's float32,
-    a custom layer's `add_weight(dtype=...)`, integer counters) keeps it."""
-    if previous == variable_dtype:
-        return False
-    own_dtype = {
-        id(getattr(layer, name)) for name in _LORA_WEIGHTS if getattr(layer, name, None) is not None
-    }
-    changed = False
-    for variable in keras_internals.own_variables(layer):
-        current = keras.backend.standardize_dtype(variable.dtype)
-        if current != previous or id(variable) in own_dtype:
-            continue
-        keras_internals.recast(variable, variable_dtype)
-        changed = True
-    return changed

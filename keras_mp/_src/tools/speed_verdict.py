@@ -28,13 +28,18 @@ def verdict(summary, peaks, each):
     launches, launch_s = summary["kernel_launches"], summary["launch_seconds"]
     work = summary["step_seconds"][level]
     predicted = summary["predicted_speedup"]
+    # Launches dominate the step: the prediction says whether the level
+    # still gains a little or loses.
+    expect = (
+        "expect no speed-up" if predicted is None or predicted < 1.0 else "expect little speed-up"
+    )
     if peaks.kind == "cpu":
         matmul_dtype = "bfloat16" if dtype == FLOAT8 else dtype
         rate = peaks.matmul_rate(matmul_dtype) / peaks.float32
         measured = f"a {matmul_dtype} matmul ran at {rate:.2f}x float32's rate here"
         if summary["launch_bound"]:
             verdict = (
-                f"{level} {dtype} on {peaks.name}: expect no speed-up (predicted "
+                f"{level} {dtype} on {peaks.name}: {expect} (predicted "
                 f"{predicted:.2f}x the float32 step): a step is {launches} launches "
                 f"(~{launch_s * 1e3:.2f} ms at {each * 1e6:.3g} us each with this "
                 f"backend) for ~{work * 1e3:.3f} ms of modelled work, too small for "
@@ -66,7 +71,7 @@ def verdict(summary, peaks, each):
         return verdict
     if summary["launch_bound"]:
         return (
-            f"{level} {dtype} on an {peaks.name}: expect no speed-up: a step is "
+            f"{level} {dtype} on an {peaks.name}: {expect}: a step is "
             f"{launches} kernel launches (~{launch_s * 1e3:.2f} ms) for "
             f"~{work * 1e3:.3f} ms of work, too small for them to be "
             f"hidden (a larger batch or model); its work alone would give at most "

@@ -9,9 +9,9 @@ from keras_mp._src.model import wrapping
 from keras_mp._src.precision import fallback
 from keras_mp._src.precision import layer_tree
 from keras_mp._src.precision import probability_ops
+from keras_mp._src.precision.layer_policy import rule_of
 from keras_mp._src.precision.policies import auto_choice
 from keras_mp._src.precision.policies import check_model
-from keras_mp._src.precision.policies import rule_of
 from keras_mp._src.tools import table
 
 
