@@ -94,7 +94,7 @@ def test_a_keras_hub_gemma_reloads_exactly_trained_or_not(tmp_path):
     rebuilds the graph it was built with, and a model saved before
     training loads without Keras's "Skipping variable loading" warnings.
     (The zoo's Gemma, hidden_dim=16, goes through `.keras` in
-    `tests/zoo/test_zoo.py`: sqrt(16) is a float16 number.)"""
+    `tests/zoo/test_levels.py`: sqrt(16) is a float16 number.)"""
     import warnings
 
     rng = np.random.default_rng(0)
