@@ -173,6 +173,22 @@ def test_every_fp8_matmul_is_quantized_and_dequantized_in_the_compiled_step(fami
 MEMORY_FAMILIES = [
     f for f in families.FAMILIES if f not in families.APPLICATIONS or f == "resnet50"
 ]
+# JAX compiles each step with XLA and Keras's own beside it (25-80 s a family
+# on CI's CPU): one family of each kind of step, each in one cell, the four
+# cells covered: a transformer at O3 (the master copies XLA once copied), a
+# CNN with BatchNorm (its hand-off to half), a recurrent step, the router
+# kept in float32, two outputs. What decides the tensors' dtypes is the same
+# Keras code everywhere and PyTorch checks every family in each cell; what is
+# JAX's own is XLA's buffer assignment of these steps.
+JAX_MEMORY_CELLS = {
+    "bert": ("O3", "bfloat16"),
+    "resnet": ("O2", "float16"),
+    "lstm_masked": ("O2", "bfloat16"),
+    "mixtral": ("O2", "bfloat16"),
+    "two_outputs": ("O3", "float16"),
+}
+if JAX:
+    MEMORY_FAMILIES = list(JAX_MEMORY_CELLS)
 # At O2 and O3 a step holds at most Keras's policy's memory plus 2 %, but where a
 # rule keeps float32 for the numbers (`SAFETY_RULES`: a mixture of experts'
 # router). (KerasHub's T5LayerNorm, float32 at O2 where Keras's policy
@@ -209,10 +225,9 @@ def _keras_memory(family, dtype):
 
 def _memory_cells(family):
     """PyTorch: O2 and O3 in bfloat16 (its CPU multiplies float16 in
-    float32). JAX compiles each step (5-20 s): one cell a family, in turn,
-    but every cell of the small models (2-4 s a cell)."""
-    if JAX and family not in families.OTHERS:
-        return [CELLS[MEMORY_FAMILIES.index(family) % len(CELLS)]]
+    float32); JAX: `JAX_MEMORY_CELLS`."""
+    if JAX:
+        return [JAX_MEMORY_CELLS[family]]
     return [cell for cell in CELLS if backends.current.computes_half_matmuls(cell[1])]
 
 
