@@ -352,6 +352,11 @@ def test_savedmodel_export_serves_float32(tmp_path):
     np.testing.assert_allclose(served32.serve(tf.constant(x)).numpy(), twin(x), atol=1e-5)
 
 
+@pytest.mark.skipif(
+    BACKEND == "jax",
+    reason="the float32 copy is the same code on every backend; JAX's ONNX route "
+    "(40 s through jax2tf) is test_export_formats.py's",
+)
 def test_onnx_serves_an_fp8_model_as_a_float32_copy(tmp_path):
     """ONNX runs no bfloat16 (README's table): an FP8 model, bfloat16 around
     its FP8 matmuls, is served as its float32 copy, a float32 twin's
@@ -360,7 +365,8 @@ def test_onnx_serves_an_fp8_model_as_a_float32_copy(tmp_path):
     model = _mlp()
     x, y = _digits()
     model.compile(optimizer="adam", loss=_loss(), amp_level="O2", amp_dtype="float8")
-    model.fit(x, y, batch_size=32, epochs=1, verbose=0)
+    # A few steps: scales and amax histories of its own, not the initial ones.
+    model.fit(x[:128], y[:128], batch_size=32, epochs=1, verbose=0)
     path = str(tmp_path / "model.onnx")
     model.export(path, format="onnx", verbose=False)
     session = ort.InferenceSession(path, providers=["CPUExecutionProvider"])
