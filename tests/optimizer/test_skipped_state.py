@@ -169,6 +169,7 @@ def test_mirrored_strategy_custom_loop_keeps_batchnorm_statistics_on_a_skipped_s
 
 
 @pytest.mark.skipif(BACKEND != "jax", reason="jax.sharding")
+@pytest.mark.slow(reason="a JAX process of its own on four host devices, compiling its loop")
 def test_jax_sharding_loop_keeps_batchnorm_statistics_on_a_skipped_step():
     processes.run_cases(WORKER, "jax_sharding", "jax", LOOP_LEVELS["jax_sharding"])
 

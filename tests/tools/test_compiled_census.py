@@ -232,6 +232,9 @@ def _memory_cells(family):
 
 
 @pytest.mark.skipif(keras.backend.backend() == "tensorflow", reason="a traced graph holds no step")
+@pytest.mark.slow(
+    reason="JAX: XLA compiles the family's step and Keras's policy's, 25-80 s a family"
+)
 @pytest.mark.parametrize("family", MEMORY_FAMILIES)
 def test_a_train_step_memory_is_no_more_than_keras_mixed_policy(family):
     """JAX: XLA's temporaries of `fit`'s compiled step; PyTorch: the step's

@@ -194,6 +194,10 @@ def _trained_cells():
             yield pytest.param(family, level, half, marks=marks, id=f"{family}-{level}-{half}")
 
 
+@pytest.mark.slow(
+    reason="compiles a real family's train step and its float32 reference: 30-80 s for "
+    "a causal LM or a CNN on TensorFlow and JAX"
+)
 @pytest.mark.parametrize("family, level, half", list(_trained_cells()))
 def test_family_trains_step_by_step_as_float32_does(family, level, half, tmp_path):
     """Each step's loss is float32's after as many applied steps (a skipped
