@@ -1,15 +1,16 @@
 """FP8 as a level's dtype: which matmuls compute in 8 bits, and the recipe.
 
 `amp_dtype="float8"` (O2, O3) computes in bfloat16 everywhere the level
-computes in half, and the matmuls the rules choose (`rules.py`) through
-Keras's own float8 path: a Dense or EinsumDense whose dtype policy is
-`float8_from_mixed_bfloat16` (O2) or `float8_from_bfloat16` (O3) quantizes
-its inputs and kernel to E4M3 and its output gradient to E5M2, each with a
-per-tensor scale from a history of amax values (delayed scaling, as
+computes in half, and the matmuls the rules choose (`rules.py`) in FP8: a
+Dense or EinsumDense whose dtype policy is Keras's
+`float8_from_mixed_bfloat16` (O2) or `float8_from_bfloat16` (O3), its
+inputs and kernel quantized to E4M3 and its output gradient to E5M2, each
+with a per-tensor scale from a history of amax values (delayed scaling, as
 Transformer Engine's `DelayedScaling` and Accelerate's `FP8RecipeKwargs`).
-XLA rewrites each quantize-dequantize around a dot into an FP8 GEMM on a GPU
-that has them (H100, H200, L4); elsewhere the program computes the same
-numbers in bfloat16.
+Its matmul multiplies the FP8 operands themselves where the backend can
+(`set_call`, `backends.fp8`: JAX and PyTorch), the same program on a CPU
+and on a GPU with FP8 units; on TensorFlow, Keras's own quantize-dequantize
+around a bfloat16 matmul.
 
 The scales and histories are variables of the layer (`overwrite_with_gradient`:
 the optimizer writes their new values); a skipped step leaves them as they
@@ -175,42 +176,52 @@ def start_scales_from_weights(layer):
 E4M3_MAX = 448.0
 
 
-def follow_input_amax(layer, frozen):
-    """An FP8 layer that does not train (frozen after FP8 training): Keras
-    moves its scales only through the optimizer, so its input scale would
-    stay where training left it, and inputs that grow saturate E4M3. As
-    Transformer Engine does in each forward pass, its input scale follows
-    the amax history of what it takes in, at each training step (as
-    BatchNorm's statistics are updated: assigned in `call`); its kernel
-    does not change, nor its scale. Set at each compile (`frozen`: whether
-    the layer trains now); a layer that trains again goes back to Keras's
-    own call."""
-    own = layer.__dict__.get("_float8_call")
-    if not frozen:
-        if getattr(own, "follows_input_amax", False):
-            del layer.__dict__["_float8_call"]
-        return
-    if getattr(own, "follows_input_amax", False) or not hasattr(layer, "inputs_amax_history"):
-        return
-    keras_call = type(layer)._float8_call.__get__(layer)
+def set_call(layer, frozen):
+    """Sets an FP8 layer's call, at each compile (`frozen`: whether the
+    layer trains now).
 
-    def forward_amax_call(inputs, *args, training=None, **kwargs):
-        if training:
-            history = keras.quantizers.compute_float8_amax_history(
-                inputs, keras.ops.convert_to_tensor(layer.inputs_amax_history)
-            )
-            layer.inputs_amax_history.assign(history)
-            layer.inputs_scale.assign(
-                keras.quantizers.compute_float8_scale(
-                    keras.ops.max(history, axis=0),
-                    keras.ops.convert_to_tensor(layer.inputs_scale),
-                    keras.ops.cast(E4M3_MAX, "float32"),
-                )
-            )
-        return keras_call(inputs, *args, training=training, **kwargs)
+    Its matmul is an FP8 GEMM where the backend has one (`backends.fp8`):
+    FP8 operands into the dot, forward and both gradients, with Keras's
+    scales and their update rule; Keras's own call (quantize-dequantize
+    around a bfloat16 matmul) elsewhere.
 
-    forward_amax_call.follows_input_amax = True
-    object.__setattr__(layer, "_float8_call", forward_amax_call)
+    A layer that does not train (frozen after FP8 training): Keras moves its
+    scales only through the optimizer, so its input scale would stay where
+    training left it, and inputs that grow saturate E4M3. As Transformer
+    Engine does in each forward pass, its input scale follows the amax
+    history of what it takes in, at each training step (as BatchNorm's
+    statistics are updated: assigned in `call`); its kernel does not
+    change, nor its scale."""
+    from keras_mp._src.backends import fp8
+
+    gemm = fp8.current.gemm if fp8.current is not None else None
+    follows = frozen and hasattr(layer, "inputs_amax_history")
+    keras_internals.set_float8_call(
+        layer,
+        gemm,
+        _follow_input_amax(layer) if follows else None,
+        follows_input_amax=follows,
+        fp8_gemm=gemm is not None,
+    )
+
+
+def _follow_input_amax(layer):
+    def follow(inputs, training):
+        if not training:
+            return
+        history = keras.quantizers.compute_float8_amax_history(
+            inputs, keras.ops.convert_to_tensor(layer.inputs_amax_history)
+        )
+        layer.inputs_amax_history.assign(history)
+        layer.inputs_scale.assign(
+            keras.quantizers.compute_float8_scale(
+                keras.ops.max(history, axis=0),
+                keras.ops.convert_to_tensor(layer.inputs_scale),
+                keras.ops.cast(E4M3_MAX, "float32"),
+            )
+        )
+
+    return follow
 
 
 _WARNED = []

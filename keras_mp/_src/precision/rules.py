@@ -122,7 +122,7 @@ FLOAT8_RULES = (
 # A layer FP8 already (a model saved at this level, loaded): kept under
 # FP8's reason (Keras cannot undo a quantization); frozen since, its input
 # scale follows the amax of each training step's inputs
-# (`float8.follow_input_amax`).
+# (`float8.set_call`).
 KEPT_FP8 = (
     Rule(
         (in_float8, layer_is(float8.is_float8), frozen),
