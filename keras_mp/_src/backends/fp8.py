@@ -13,7 +13,7 @@ import importlib
 
 import keras
 
-_MODULES = {"jax": "fp8_jax"}
+_MODULES = {"jax": "fp8_jax", "torch": "fp8_torch"}
 
 _name = _MODULES.get(keras.backend.backend())
 current = importlib.import_module(f"keras_mp._src.backends.{_name}") if _name else None
