@@ -25,4 +25,9 @@ def train_step_gemms(model, data):
     where the backend multiplies no FP8 operands)."""
     if current is not None:
         return current.train_step_gemms(model, data)
+    if keras.backend.backend() == "tensorflow":
+        from keras_mp._src.backends import tensorflow
+        from keras_mp._src.backends import tf_graph
+
+        return tf_graph.fp8_dots(tensorflow.train_step_graph(model, data))
     return []

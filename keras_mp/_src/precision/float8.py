@@ -224,6 +224,21 @@ def _follow_input_amax(layer):
     return follow
 
 
+def quantize_dequantize_note():
+    """What FP8 computes on a backend without FP8 GEMMs (TensorFlow: its
+    CPU has no FP8 matmul, and Keras's step compiles no XLA there), or
+    None where FP8 operands go into the dot."""
+    from keras_mp._src.backends import fp8
+
+    if fp8.current is not None:
+        return None
+    return (
+        f"on {keras.backend.backend()}, FP8 is quantize-dequantize: Keras's float8 "
+        "layers round their inputs, kernel and output gradient through FP8 and "
+        "multiply in bfloat16 (no FP8 x FP8 matmul in the graph)"
+    )
+
+
 _WARNED = []
 
 

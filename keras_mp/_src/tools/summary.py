@@ -7,6 +7,7 @@ import keras
 from keras_mp._src import keras_internals
 from keras_mp._src.model import wrapping
 from keras_mp._src.precision import fallback
+from keras_mp._src.precision import float8
 from keras_mp._src.precision import layer_tree
 from keras_mp._src.precision import probability_ops
 from keras_mp._src.precision.layer_policy import rule_of
@@ -67,6 +68,8 @@ def precision_summary(model, print_fn=None):
         absent = float8_gemms_absent()
         if absent is not None:
             lines += ["", f"FP8: {absent}."]
+        if float8.quantize_dequantize_note():
+            lines += ["", f"FP8: {float8.quantize_dequantize_note()}."]
     # `to_float` on a layer inside since: auto's choice no longer the story.
     if auto_choice(model) and not any(r["rule"].startswith("to_float(") for r in rows):
         lines += ["", auto_choice(model)]
