@@ -153,13 +153,16 @@ def test_every_fp8_matmul_is_quantized_and_dequantized_in_the_compiled_step(fami
     gradient a program may drop)."""
     keras.utils.set_random_seed(0)
     model, x, y, loss = families.fp8_mlp() if family == "mlp" else families.FP8[family]()
-    model.compile(optimizer="adam", loss=loss, amp_level=level, amp_dtype="float8")
+    recipe = keras_mp.Float8Recipe(small_gemm=None)  # these are far too small to pay
+    model.compile(
+        optimizer="adam", loss=loss, amp_level=level, amp_dtype="float8", float8_recipe=recipe
+    )
     chosen = [r for r in keras_mp.precision_summary(model).rows if "matmul in FP8" in r["rule"]]
     assert chosen
     found = backends.current.train_step_matmuls(model, (x, y))
     fp8 = [entry for entry in found if entry[1] == "float8"]
     assert len(fp8) == 3 * len(chosen), (len(fp8), [r["layer"] for r in chosen])
-    report = keras_mp.speed_report(model, x, level=level, dtype="float8")
+    report = keras_mp.speed_report(model, x, level=level, dtype="float8", float8_recipe=recipe)
     predicted = sum(row["flops"] for row in report.rows if row["dtype"] == "float8")
     assert predicted == sum(entry[2] for entry in fp8), report.text
 
@@ -189,7 +192,10 @@ def test_each_fp8_layer_multiplies_fp8_operands_forward_and_in_both_gradients():
     layers held none (quantize-dequantize around a bfloat16 dot)."""
     model, x, y = _dense_and_einsum_in_fp8()
     loss = keras.losses.SparseCategoricalCrossentropy(from_logits=True)
-    model.compile(optimizer="adam", loss=loss, amp_level="O2", amp_dtype="float8")
+    recipe = keras_mp.Float8Recipe(small_gemm=None)  # far too small to pay
+    model.compile(
+        optimizer="adam", loss=loss, amp_level="O2", amp_dtype="float8", float8_recipe=recipe
+    )
     chosen = [r["layer"] for r in keras_mp.precision_summary(model).rows if "in FP8" in r["rule"]]
     assert chosen == ["heads", "middle"], chosen
     assert compiled_census.fp8_gemms(model, x, y) == {
