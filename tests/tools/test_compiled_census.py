@@ -188,19 +188,25 @@ def test_each_fp8_layer_multiplies_fp8_operands_forward_and_in_both_gradients():
     """The program the backend builds (JAX's StableHLO before XLA's passes,
     PyTorch's dispatched ops) holds, for each FP8 layer, one dot of E4M3
     operands (forward) and two of an E4M3 operand and the E5M2 output
-    gradient (the input's and the kernel's gradients). Keras's float8
-    layers held none (quantize-dequantize around a bfloat16 dot)."""
+    gradient (the input's and the kernel's gradients), but the input
+    gradient of the first layer (in FP8 by `allow=`), which nothing takes.
+    Keras's float8 layers held none (quantize-dequantize around a bfloat16
+    dot)."""
     model, x, y = _dense_and_einsum_in_fp8()
     loss = keras.losses.SparseCategoricalCrossentropy(from_logits=True)
-    recipe = keras_mp.Float8Recipe(small_gemm=None)  # far too small to pay
     model.compile(
-        optimizer="adam", loss=loss, amp_level="O2", amp_dtype="float8", float8_recipe=recipe
+        optimizer="adam",
+        loss=loss,
+        amp_level="O2",
+        amp_dtype="float8",
+        float8_recipe=keras_mp.Float8Recipe(small_gemm=None),  # far too small to pay
+        amp_allow=["first"],
     )
     chosen = [r["layer"] for r in keras_mp.precision_summary(model).rows if "in FP8" in r["rule"]]
-    assert chosen == ["heads", "middle"], chosen
+    assert chosen == ["first", "heads", "middle"], chosen
     assert compiled_census.fp8_gemms(model, x, y) == {
-        "float8_e4m3fn x float8_e4m3fn": 2,
-        "float8_e4m3fn x float8_e5m2": 4,
+        "float8_e4m3fn x float8_e4m3fn": 3,
+        "float8_e4m3fn x float8_e5m2": 5,
     }
 
 

@@ -133,10 +133,15 @@ def _function():
             x_dtype, k_dtype = ctx.dtypes
             g8 = fp8_common.quantize(g, g_scale, E5M2, compute_dtype)
             g2 = g8.permute(layout["grad"]).reshape(layout["m"], layout["n"])
-            dx = scaled_mm(g2, k2.t(), g_scale, k_scale, compute_dtype, x_dtype)
-            dx = dx.reshape(layout["x_sizes"]).permute(_inverse(layout["x"]))
-            dk = scaled_mm(x2.t(), g2, x_scale, g_scale, compute_dtype, k_dtype)
-            dk = dk.reshape(layout["k_sizes"]).permute(_inverse(layout["kernel"]))
+            dx = dk = None
+            # A GEMM whose gradient nothing takes is not run (the model's
+            # inputs; a frozen kernel), as JAX drops it from its program.
+            if ctx.needs_input_grad[3]:
+                dx = scaled_mm(g2, k2.t(), g_scale, k_scale, compute_dtype, x_dtype)
+                dx = dx.reshape(layout["x_sizes"]).permute(_inverse(layout["x"]))
+            if ctx.needs_input_grad[4]:
+                dk = scaled_mm(x2.t(), g2, x_scale, g_scale, compute_dtype, k_dtype)
+                dk = dk.reshape(layout["k_sizes"]).permute(_inverse(layout["kernel"]))
             g_updated = (
                 fp8_common.new_scale(g_history, g_scale, E5M2),
                 fp8_common.new_history(g, g_history),
