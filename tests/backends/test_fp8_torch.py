@@ -39,3 +39,19 @@ def test_the_gemm_and_its_gradients_follow_float32_within_fp8_rounding():
     assert _relative(kt.grad, np.einsum("btd,btnh->dnh", x, g)) < 2**-3
     got = [float(state[i].grad[0]) for i in (1, 3, 5)]
     np.testing.assert_allclose(got, [abs(a).max() for a in (x, k, g)], rtol=1e-6)
+
+
+def test_where_no_fp8_gemm_runs_the_dequantized_product_is_the_same():
+    """A GPU before Ada has no `_scaled_mm`: the FP8 operands are
+    dequantized and multiplied in the compute dtype, the same product."""
+    import torch
+
+    from keras_mp._src.backends import fp8_torch
+
+    rng = np.random.default_rng(0)
+    a = torch.tensor(rng.normal(size=(32, 48)), dtype=torch.float32).to(torch.float8_e4m3fn)
+    b = torch.tensor(rng.normal(size=(48, 16)), dtype=torch.float32).to(torch.float8_e5m2)
+    scales = torch.tensor(0.5), torch.tensor(0.25)
+    fp8 = fp8_torch.scaled_mm(a, b, *scales, "float32", torch.float32)
+    dequantized = fp8_torch.dequantized_mm(a, b, *scales, "float32", torch.float32)
+    torch.testing.assert_close(dequantized, fp8, rtol=1e-6, atol=1e-5)

@@ -69,6 +69,8 @@ def scaled_mm(a, b, a_scale, b_scale, compute_dtype, out_dtype, fast=False):
     column-major, each dimension padded to a multiple of 16 on a GPU."""
     import torch
 
+    if not has_fp8_gemm(a.device):
+        return dequantized_mm(a, b, a_scale, b_scale, compute_dtype, out_dtype)
     m, k = a.shape
     n = b.shape[1]
     if a.is_cuda:
@@ -83,6 +85,29 @@ def scaled_mm(a, b, a_scale, b_scale, compute_dtype, out_dtype, fast=False):
         use_fast_accum=fast,
     )
     return out[:m, :n]
+
+
+def has_fp8_gemm(device):
+    """Whether `torch._scaled_mm` runs on `device`: a CPU (its kernel, in
+    software), a CUDA GPU of compute capability 8.9 (Ada) or more."""
+    import torch
+
+    if device.type == "cpu":
+        return True
+    return device.type == "cuda" and torch.cuda.get_device_capability(device) >= (8, 9)
+
+
+def dequantized_mm(a, b, a_scale, b_scale, compute_dtype, out_dtype):
+    """`scaled_mm`'s product where no FP8 GEMM runs (a GPU before Ada): the
+    FP8 operands dequantized and multiplied in the compute dtype."""
+    import torch
+
+    dtype = getattr(torch, compute_dtype)
+    dequantized = [
+        t.to(dtype) * fp8_common.dequantizing(s, compute_dtype).to(dtype)
+        for t, s in ((a, a_scale), (b, b_scale))
+    ]
+    return (dequantized[0] @ dequantized[1]).to(out_dtype)
 
 
 def gemm(form, x, kernel, state, training, compute_dtype):
