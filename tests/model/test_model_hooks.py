@@ -147,16 +147,22 @@ def test_an_fp8_checkpoint_loaded_before_compile_names_the_order_that_works(tmp_
             [keras.Input((16,))] + [keras.layers.Dense(16, name=f"d{i}") for i in range(3)]
         )
 
+    any_size = keras_mp.Float8Recipe(small_gemm=None)  # FP8 on these tiny matmuls
+
     x = np.random.default_rng(0).normal(size=(32, 16)).astype("float32")
     trained = model()
-    trained.compile(optimizer="adam", loss="mse", amp_level="O2", amp_dtype="float8")
+    trained.compile(
+        optimizer="adam", loss="mse", amp_level="O2", amp_dtype="float8", float8_recipe=any_size
+    )
     trained.fit(x, x, epochs=1, verbose=0)
     path = str(tmp_path / "fp8.weights.h5")
     trained.save_weights(path)
     with pytest.raises(ValueError, match="compile.*amp_dtype='float8'.*then"):
         model().load_weights(path)
     resumed = model()
-    resumed.compile(optimizer="adam", loss="mse", amp_level="O2", amp_dtype="float8")
+    resumed.compile(
+        optimizer="adam", loss="mse", amp_level="O2", amp_dtype="float8", float8_recipe=any_size
+    )
     resumed.load_weights(path)
     np.testing.assert_array_equal(resumed.predict(x, verbose=0), trained.predict(x, verbose=0))
 

@@ -34,6 +34,9 @@ L = keras.layers
 BACKEND = keras.backend.backend()
 E4M3_ROUNDOFF = 2.0**-4
 FP8_REASON = "float8: matmul in FP8"
+# These models' matmuls are far too small for FP8 to pay: every one the
+# other rules choose goes in FP8 here, to test what FP8 computes.
+ANY_SIZE = keras_mp.Float8Recipe(small_gemm=None)
 
 
 def _mlp():
@@ -94,7 +97,7 @@ def _float8_state(model):
 @pytest.mark.parametrize("level, variables", [("O2", "float32"), ("O3", "bfloat16")])
 def test_the_aligned_matmuls_between_the_first_and_the_output_layer_are_fp8(level, variables):
     model = _mlp()
-    keras_mp.apply_amp(model, level, "float8")
+    keras_mp.apply_amp(model, level, "float8", float8_recipe=ANY_SIZE)
     rules = _rules(model)
     assert FP8_REASON in rules["middle"] and FP8_REASON in rules["narrow"], rules
     assert "first layer in bfloat16" in rules["first"]
@@ -126,7 +129,7 @@ def test_first_layers_are_those_that_take_the_raw_inputs_on_every_path():
     b = L.Dense(16, name="b")(extra)
     c = L.Dense(32, name="c")(L.Concatenate()([a, b]))
     model = keras.Model([image, extra], L.Dense(16, name="out")(c))
-    keras_mp.apply_amp(model, "O3", "float8")
+    keras_mp.apply_amp(model, "O3", "float8", float8_recipe=ANY_SIZE)
     rules = _rules(model)
     assert "first layer" in rules["a"] and "first layer" in rules["b"], rules
     assert FP8_REASON in rules["c"] and "output layer" in rules["out"]
@@ -148,8 +151,46 @@ def test_only_keras_own_dense_and_einsum_dense_without_lora_compute_in_fp8():
         ]
     )
     model.get_layer("lora").enable_lora(4)
-    keras_mp.apply_amp(model, "O2", "float8")
+    keras_mp.apply_amp(model, "O2", "float8", float8_recipe=ANY_SIZE)
     assert _fp8_layers(model) == ["einsum"]
+
+
+def _small_and_wide():
+    keras.utils.set_random_seed(0)
+    return keras.Sequential(
+        [
+            keras.Input((64,)),
+            L.Dense(64, name="first"),
+            L.Dense(1040, name="wide"),
+            L.Dense(64, name="small"),
+            L.Dense(10, name="head"),
+        ]
+    )
+
+
+@pytest.mark.one_backend
+def test_a_matmul_too_small_for_fp8_to_pay_stays_bfloat16_and_the_summary_names_each():
+    """FP8 pays on large GEMMs only (torchao's threshold for tensorwise
+    scaling, measured on an H100: 1024 x 2048 x 1024 at 0.80x bfloat16's
+    speed, 4096 x 8192 x 16384 at 1.39x): by default a matmul whose
+    input_dim is at most 4096 and units at most 1024 stays in bfloat16
+    under its reason; `Float8Recipe(small_gemm=None)` and `allow=` put it
+    in FP8. `precision_summary` names the FP8 layers and those kept out."""
+    model = _small_and_wide()
+    keras_mp.apply_amp(model, "O2", "float8")
+    rules = _rules(model)
+    assert FP8_REASON in rules["wide"], rules
+    assert rules["small"] == (
+        "O2 float8: input_dim=1040, units=64 too small for FP8 to pay (small_gemm), bfloat16"
+    )
+    assert model.get_layer("small").dtype_policy.name == "mixed_bfloat16"
+    text = keras_mp.precision_summary(model).text.replace(model.name + "/", "")
+    assert "\nFP8 matmuls: wide.\n" in text, text
+    assert "\nKept out of FP8 (the rule of each above): first, small, head.\n" in text, text
+    for amp in ({"float8_recipe": {"small_gemm": None}}, {"allow": ["small"]}):
+        model = _small_and_wide()
+        keras_mp.apply_amp(model, "O2", "float8", **amp)
+        assert FP8_REASON in _rules(model)["small"], amp
 
 
 # -- the recipe and bad input ----------------------------------------------------
@@ -161,7 +202,9 @@ def test_a_frozen_layer_computes_in_bfloat16_and_says_why():
     leaves alone) would compute with its scales stuck at 1."""
     model = _mlp()
     model.layers[1].trainable = False
-    model.compile(optimizer="adam", loss=_loss(), amp_level="O2", amp_dtype="float8")
+    model.compile(
+        optimizer="adam", loss=_loss(), amp_level="O2", amp_dtype="float8", float8_recipe=ANY_SIZE
+    )
     frozen, trained = model.layers[1], model.layers[2]
     assert frozen.dtype_policy.name == "mixed_bfloat16"
     assert _rules(model)[frozen.name] == (
@@ -182,7 +225,7 @@ def test_a_trained_model_in_fp8_starts_from_its_kernels_amax():
     )
     model = _mlp()
     model.set_weights(reference.get_weights())
-    keras_mp.apply_amp(model, "O2", "float8")
+    keras_mp.apply_amp(model, "O2", "float8", float8_recipe=ANY_SIZE)
     assert "middle" in _fp8_layers(model)
     layer = model.get_layer("middle")
     kernel_amax = np.abs(reference.get_layer("middle").get_weights()[0]).max()
@@ -206,7 +249,7 @@ def test_the_output_layer_behind_weightless_layers_stays_out_of_fp8():
     x = keras.layers.Dense(64, name="middle")(x)
     x = keras.layers.Dense(16, name="head")(x)
     model = keras.Model(inputs, keras.layers.Activation("softmax")(x))
-    keras_mp.apply_amp(model, "O2", "float8")
+    keras_mp.apply_amp(model, "O2", "float8", float8_recipe=ANY_SIZE)
     assert model.get_layer("head").dtype_policy.name == "mixed_bfloat16"
     assert model.get_layer("middle").dtype_policy.quantization_mode == "float8"
 
@@ -222,7 +265,7 @@ def test_the_output_layer_behind_weightless_layers_stays_out_of_fp8():
 
     net = Net()
     net(np.zeros((2, 64), "float32"))
-    keras_mp.apply_amp(net, "O2", "float8")
+    keras_mp.apply_amp(net, "O2", "float8", float8_recipe=ANY_SIZE)
     assert net.c.dtype_policy.name == "mixed_bfloat16"
     assert net.b.dtype_policy.quantization_mode == "float8"
 
@@ -235,7 +278,7 @@ def test_the_recipe_sets_the_amax_history_and_is_saved(tmp_path):
         loss=_loss(),
         amp_level="O2",
         amp_dtype="float8",
-        float8_recipe=keras_mp.Float8Recipe(amax_history_length=16),
+        float8_recipe=keras_mp.Float8Recipe(amax_history_length=16, small_gemm=None),
     )
     assert model.get_layer("middle").inputs_amax_history.shape == (16,)
     model.fit(x, y, batch_size=32, epochs=1, verbose=0)
@@ -276,6 +319,7 @@ def test_a_bad_amax_history_length_is_refused_by_name(length):
         ({"margin": 1}, "`margin` must be one of 0"),
         ({"amax_compute_algo": "most_recent"}, "`amax_compute_algo` must be one of 'max'"),
         ({"history": 4}, r"unknown keys \['history'\]"),
+        ({"small_gemm": (16,)}, r"`small_gemm` must be None or a pair .*\(16,\)"),
         ("hybrid", "`float8_recipe` must be a `keras_mp.Float8Recipe`"),
     ],
 )
@@ -291,7 +335,9 @@ def test_recipes_keras_float8_layers_cannot_compute_are_refused_by_name(recipe, 
 def test_a_non_finite_step_keeps_weights_slots_scales_and_amax_histories(level):
     model = _mlp()
     x, y = _digits(32)
-    model.compile(optimizer="adam", loss=_loss(), amp_level=level, amp_dtype="float8")
+    model.compile(
+        optimizer="adam", loss=_loss(), amp_level=level, amp_dtype="float8", float8_recipe=ANY_SIZE
+    )
     model.fit(x, y, batch_size=32, epochs=2, verbose=0)  # histories and slots not trivial
     history = np.array(keras.ops.convert_to_numpy(model.get_layer("middle").inputs_amax_history))
     assert np.count_nonzero(history) == 2, history  # one amax a step
@@ -313,7 +359,9 @@ def test_a_non_finite_step_keeps_weights_slots_scales_and_amax_histories(level):
 def test_reload_and_resume_are_bit_exact(tmp_path):
     model = _mlp()
     x, y = _digits()
-    model.compile(optimizer="adam", loss=_loss(), amp_level="O3", amp_dtype="float8")
+    model.compile(
+        optimizer="adam", loss=_loss(), amp_level="O3", amp_dtype="float8", float8_recipe=ANY_SIZE
+    )
     model.fit(x, y, batch_size=32, epochs=2, verbose=0)
     model.save(tmp_path / "m.keras")
     loaded = keras.models.load_model(tmp_path / "m.keras")
@@ -335,7 +383,9 @@ def test_savedmodel_export_serves_float32(tmp_path):
 
     model = _mlp()
     x, y = _digits()
-    model.compile(optimizer="adam", loss=_loss(), amp_level="O2", amp_dtype="float8")
+    model.compile(
+        optimizer="adam", loss=_loss(), amp_level="O2", amp_dtype="float8", float8_recipe=ANY_SIZE
+    )
     model.fit(x, y, batch_size=32, epochs=1, verbose=0)
     expected = model.predict(x, verbose=0)
     model.export(str(tmp_path / "as_trained"), verbose=False)
@@ -364,7 +414,9 @@ def test_onnx_serves_an_fp8_model_as_a_float32_copy(tmp_path):
     ort = pytest.importorskip("onnxruntime")
     model = _mlp()
     x, y = _digits()
-    model.compile(optimizer="adam", loss=_loss(), amp_level="O2", amp_dtype="float8")
+    model.compile(
+        optimizer="adam", loss=_loss(), amp_level="O2", amp_dtype="float8", float8_recipe=ANY_SIZE
+    )
     # A few steps: scales and amax histories of its own, not the initial ones.
     model.fit(x[:128], y[:128], batch_size=32, epochs=1, verbose=0)
     path = str(tmp_path / "model.onnx")
@@ -444,7 +496,7 @@ def _readme_loop(model, optimizer, loss_fn):
 
 def test_readmes_custom_loop_skips_a_non_finite_step_with_its_fp8_state():
     model = _mlp()
-    keras_mp.apply_amp(model, "O2", "float8")
+    keras_mp.apply_amp(model, "O2", "float8", float8_recipe=ANY_SIZE)
     optimizer = keras_mp.LossScaleOptimizer(keras.optimizers.Adam(1e-3))
     optimizer.build(model.trainable_variables)
     run_step = _readme_loop(model, optimizer, _loss())
@@ -496,7 +548,7 @@ def test_training_at_o2_float8_follows_o2_bfloat16(family):
     if family in families.FP8 and BACKEND != "torch":
         pytest.skip(f"{family} trains on PyTorch (CI's time)")
     _, bf16 = _losses(family, amp_level="O2", amp_dtype="bfloat16")
-    model, fp8 = _losses(family, amp_level="O2", amp_dtype="float8")
+    model, fp8 = _losses(family, amp_level="O2", amp_dtype="float8", float8_recipe=ANY_SIZE)
     chosen = [r for r in keras_mp.precision_summary(model).rows if FP8_REASON in r["rule"]]
     kinds = {r["class"] for r in chosen}
     assert kinds == ({"Dense"} if family == "digits" else {"Dense", "EinsumDense"}) or (
@@ -514,12 +566,16 @@ def test_a_layer_frozen_after_fp8_training_follows_its_inputs_amax():
     0.76 against float32; review of issue 63). Its input scale now follows
     each training step's amax: the error is E4M3's again."""
     model = _mlp()
-    model.compile(optimizer="adam", loss=_loss(), amp_level="O2", amp_dtype="float8")
+    model.compile(
+        optimizer="adam", loss=_loss(), amp_level="O2", amp_dtype="float8", float8_recipe=ANY_SIZE
+    )
     x, y = _digits(64)
     model.fit(x, y, epochs=1, verbose=0)
     middle = model.get_layer("middle")
     middle.trainable = False
-    model.compile(optimizer="adam", loss=_loss(), amp_level="O2", amp_dtype="float8")
+    model.compile(
+        optimizer="adam", loss=_loss(), amp_level="O2", amp_dtype="float8", float8_recipe=ANY_SIZE
+    )
     assert _rules(model)["middle"] == (
         "O2 float8: frozen after FP8 training, its input scale follows each step's amax"
     )
@@ -533,5 +589,7 @@ def test_a_layer_frozen_after_fp8_training_follows_its_inputs_amax():
     assert np.abs(got - want).max() <= 0.1 * np.abs(want).max()
     # Trained again, it is Keras's own FP8 layer, its scales the optimizer's.
     middle.trainable = True
-    model.compile(optimizer="adam", loss=_loss(), amp_level="O2", amp_dtype="float8")
+    model.compile(
+        optimizer="adam", loss=_loss(), amp_level="O2", amp_dtype="float8", float8_recipe=ANY_SIZE
+    )
     assert _rules(model)["middle"].startswith("O2 " + FP8_REASON)

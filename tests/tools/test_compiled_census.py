@@ -146,22 +146,68 @@ FP8_CELLS = [(f, ("O2", "O3")[i % 2]) for i, f in enumerate(FP8_FAMILIES)]
 
 @pytest.mark.parametrize("family, level", FP8_CELLS)
 def test_every_fp8_matmul_is_quantized_and_dequantized_in_the_compiled_step(family, level):
-    """`amp_dtype="float8"`: each matmul the rules chose multiplies two values
-    quantized to FP8 and back, forward and both gradients (the pattern XLA
-    rewrites into FP8 GEMMs on a GPU), and no other matmul does; the FP8
+    """`amp_dtype="float8"`: each matmul the rules chose multiplies FP8
+    operands (JAX, PyTorch) or two values quantized to FP8 and back
+    (TensorFlow), forward and both gradients, and no other matmul does; the FP8
     FLOPs are `speed_report`'s (none of them is a first layer's, whose input
     gradient a program may drop)."""
     keras.utils.set_random_seed(0)
     model, x, y, loss = families.fp8_mlp() if family == "mlp" else families.FP8[family]()
-    model.compile(optimizer="adam", loss=loss, amp_level=level, amp_dtype="float8")
+    recipe = keras_mp.Float8Recipe(small_gemm=None)  # these are far too small to pay
+    model.compile(
+        optimizer="adam", loss=loss, amp_level=level, amp_dtype="float8", float8_recipe=recipe
+    )
     chosen = [r for r in keras_mp.precision_summary(model).rows if "matmul in FP8" in r["rule"]]
     assert chosen
     found = backends.current.train_step_matmuls(model, (x, y))
     fp8 = [entry for entry in found if entry[1] == "float8"]
     assert len(fp8) == 3 * len(chosen), (len(fp8), [r["layer"] for r in chosen])
-    report = keras_mp.speed_report(model, x, level=level, dtype="float8")
+    report = keras_mp.speed_report(model, x, level=level, dtype="float8", float8_recipe=recipe)
     predicted = sum(row["flops"] for row in report.rows if row["dtype"] == "float8")
     assert predicted == sum(entry[2] for entry in fp8), report.text
+
+
+def _dense_and_einsum_in_fp8():
+    """Two FP8 layers between the first and the output one: an EinsumDense
+    into heads (`btd,dnh->btnh`) and a Dense; 2 x 16 rows."""
+    keras.utils.set_random_seed(0)
+    inputs = keras.Input((16, 32))
+    x = keras.layers.Dense(32, name="first")(inputs)
+    x = keras.layers.EinsumDense("btd,dnh->btnh", (16, 2, 16), name="heads")(x)
+    x = keras.layers.Dense(32, name="middle")(keras.layers.Reshape((16, 32))(x))
+    model = keras.Model(inputs, keras.layers.Dense(16, name="head")(x))
+    x = np.random.default_rng(0).normal(size=(2, 16, 32)).astype("float32")
+    return model, x, np.zeros((2, 16), "int32")
+
+
+@pytest.mark.skipif(
+    keras.backend.backend() == "tensorflow",
+    reason="TensorFlow's FP8 is Keras's quantize-dequantize (the test above)",
+)
+def test_each_fp8_layer_multiplies_fp8_operands_forward_and_in_both_gradients():
+    """The program the backend builds (JAX's StableHLO before XLA's passes,
+    PyTorch's dispatched ops) holds, for each FP8 layer, one dot of E4M3
+    operands (forward) and two of an E4M3 operand and the E5M2 output
+    gradient (the input's and the kernel's gradients), but the input
+    gradient of the first layer (in FP8 by `allow=`), which nothing takes.
+    Keras's float8 layers held none (quantize-dequantize around a bfloat16
+    dot)."""
+    model, x, y = _dense_and_einsum_in_fp8()
+    loss = keras.losses.SparseCategoricalCrossentropy(from_logits=True)
+    model.compile(
+        optimizer="adam",
+        loss=loss,
+        amp_level="O2",
+        amp_dtype="float8",
+        float8_recipe=keras_mp.Float8Recipe(small_gemm=None),  # far too small to pay
+        amp_allow=["first"],
+    )
+    chosen = [r["layer"] for r in keras_mp.precision_summary(model).rows if "in FP8" in r["rule"]]
+    assert chosen == ["first", "heads", "middle"], chosen
+    assert compiled_census.fp8_gemms(model, x, y) == {
+        "float8_e4m3fn x float8_e4m3fn": 3,
+        "float8_e4m3fn x float8_e5m2": 5,
+    }
 
 
 # -- memory (issue 65) ----------------------------------------------------------

@@ -8,8 +8,9 @@ unit: T4 (Turing) has no bfloat16 and no TF32 tensor cores, so bfloat16
 matmuls run at its float32 rate there and TF32 is float32.
 
 `float8`: FP8 tensor cores (Hopper, Ada); None where there are none (A100,
-T4): a layer that quantizes to FP8 and back computes its matmul in
-bfloat16 there.
+T4): an FP8 layer's matmul is a bfloat16 one there (XLA converts its FP8
+operands; PyTorch multiplies them dequantized, `_scaled_mm` having no
+kernel there).
 
 `HALF_CUDA_CORE_FACTOR`: a 16-bit matmul whose dimensions are not multiples
 of 8 cannot use the tensor cores' fast path; the report counts it at twice

@@ -274,13 +274,18 @@ def gpu_name():
 def train_step_matmuls(model, data):
     """The matmuls of the graph `tf.function` traces of the train step
     (nothing run)."""
-    import tensorflow as tf
-
     from keras_mp._src.backends import tf_graph
+
+    return tf_graph.matmuls(train_step_graph(model, data))
+
+
+def train_step_graph(model, data):
+    """The graph `tf.function` traces of the train step (nothing run)."""
+    import tensorflow as tf
 
     keras_internals.build_for_training(model, data)
     spec = tf.nest.map_structure(lambda a: tf.TensorSpec(a.shape, tf.as_dtype(a.dtype)), data)
-    return tf_graph.matmuls(tf.function(model.train_step).get_concrete_function(spec).graph)
+    return tf.function(model.train_step).get_concrete_function(spec).graph
 
 
 def train_step_memory(model, data):

@@ -35,6 +35,18 @@ def matmuls(graph):
     return [entry for entry in map(_census, operations(graph)) if entry is not None]
 
 
+def fp8_dots(graph):
+    """`[(dtype, dtype)]` (sorted) of each matmul of `graph` and of the
+    functions it calls whose two operands are FP8 themselves."""
+    found = []
+    for op in operations(graph):
+        if op.type in _MATMULS + ("XlaDot", "XlaDotV2") and len(op.inputs) >= 2:
+            dtypes = sorted(t.dtype.name for t in op.inputs[:2])
+            if all(d.startswith("float8") for d in dtypes):
+                found.append(tuple(dtypes))
+    return found
+
+
 def operations(graph):
     """The ops of `graph` and of the functions it calls, each function once."""
     seen, stack = set(), [graph]

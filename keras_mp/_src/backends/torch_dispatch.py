@@ -7,9 +7,9 @@ FLOPs from the operands' shapes: `mm`/`addmm` 2MNK, `bmm`/`baddbmm` 2BMNK,
 `convolution` 2 x its output's elements x the taps each sums, and
 `convolution_backward` the same for each gradient it computes; fused
 attention (`scaled_dot_product_*`) 4 x batch x heads x queries x keys x
-head size forward, twice that backward. A matmul of two values cast from
-FP8 and back (Keras's float8 layers: scaled, viewed, transposed) is
-"float8".
+head size forward, twice that backward. An FP8 GEMM (`_scaled_mm`), and a
+matmul of two values cast from FP8 and back (Keras's float8 layers:
+scaled, viewed, transposed), is "float8".
 """
 
 import gc
@@ -19,9 +19,10 @@ import weakref
 from keras_mp._src import keras_internals
 
 
-def matmuls_of_one_step(model, data):
+def matmuls_of_one_step(model, data, fp8_operands=None):
     """`(kind, dtype, flops)` of each matmul and convolution of one
-    `train_on_batch` of `data` (`(x, y)`)."""
+    `train_on_batch` of `data` (`(x, y)`); the two operands' dtypes of each
+    FP8 GEMM (`_scaled_mm`, sorted) appended to `fp8_operands` if given."""
     import torch
     from torch.utils._python_dispatch import TorchDispatchMode
 
@@ -52,6 +53,8 @@ def matmuls_of_one_step(model, data):
             ):
                 mark(out)
             entry = _census(name, args, out)
+            if name == "_scaled_mm" and fp8_operands is not None:
+                fp8_operands.append(tuple(sorted(_dtype(t) for t in tensors[:2])))
             if entry is not None and entry[0] == "dot":
                 operands = tensors[-2:]
                 if len(operands) == 2 and all(marked(t) for t in operands):
@@ -166,6 +169,9 @@ def _census(name, args, out):
     if name in ("mm", "bmm"):
         a = args[0]
         return "dot", _dtype(a), 2 * math.prod(out.shape) * a.shape[-1]
+    if name == "_scaled_mm":
+        a = args[0]
+        return "dot", "float8", 2 * math.prod(out.shape) * a.shape[-1]
     if name in ("addmm", "baddbmm"):
         a = args[1]
         return "dot", _dtype(a), 2 * math.prod(out.shape) * a.shape[-1]

@@ -13,10 +13,11 @@ surface of `keras.optimizers.Optimizer`, and stay with the code that
 overrides them (`compensated.py`, `loss_scale_optimizer.py`).
 
 The surface is split by what it reaches into: `required` (the releases
-supported, and `_need`), `layers`, `graphs`, `variables`, `training` and
+supported, and `_need`), `layers`, `float8_calls`, `graphs`, `variables`, `training` and
 `saving`; every name is read from this package (`keras_internals.recast`).
 """
 
+from keras_mp._src.keras_internals.float8_calls import *
 from keras_mp._src.keras_internals.graphs import *
 from keras_mp._src.keras_internals.layers import *
 from keras_mp._src.keras_internals.required import *

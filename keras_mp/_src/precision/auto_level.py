@@ -161,9 +161,8 @@ def auto_level_rule(
 
 
 def float8_gemms_absent():
-    """Why this machine computes no FP8 matmul for Keras's float8 layers
-    (their quantize-dequantize then runs around bfloat16 matmuls: FP8's
-    rounding without its speed), or None where it may."""
+    """Why FP8 brings this machine no speed (a CPU, a GPU without FP8
+    units), or None where its FP8 GEMMs may pay."""
     try:
         capability = backends.current.gpu_compute_capability()
     except Exception:  # No usable GPU runtime: a CPU machine.
@@ -173,25 +172,22 @@ def float8_gemms_absent():
 
 def float8_rule(gpu_capability, cpu_flags, backend):
     """`float8_gemms_absent`'s rule, from the machine's facts."""
+    if backend in ("jax", "torch"):
+        how = "its FP8 GEMMs (FP8 operands into the dot) run without FP8 units"
+    else:
+        how = "Keras's float8 layers quantize to FP8 and multiply in bfloat16"
     if gpu_capability is None:
         native = ", ".join(sorted(set(cpu_flags) & {"avx512_bf16", "amx_bf16", "amx_fp8"}))
         has = f" (it has {native})" if native else ""
         return (
-            f"this machine has no GPU and its CPU no FP8 matmul unit{has}: "
-            "Keras's float8 layers quantize to FP8 and multiply in bfloat16, "
-            "slower than amp_dtype='bfloat16' and only noisier"
+            f"this machine has no GPU and its CPU no FP8 matmul unit{has}: {how}, "
+            "FP8 brings no speed here, slower than amp_dtype='bfloat16' and only noisier"
         )
     major, minor = gpu_capability
     if gpu_capability < (8, 9):
         return (
             f"this GPU (compute capability {major}.{minor}) has no FP8 tensor "
-            "cores (Ada, 8.9, and Hopper, 9.0, have): its FP8 layers multiply "
-            "in bfloat16, slower than amp_dtype='bfloat16'"
-        )
-    if backend == "jax":
-        return (
-            "on JAX, XLA did not rewrite Keras's float8 layers into FP8 GEMMs "
-            "on an H100 (benchmarks/README.md): their matmuls ran in bfloat16, "
-            "slower than amp_dtype='bfloat16'"
+            f"cores (Ada, 8.9, and Hopper, 9.0, have): {how}, slower than "
+            "amp_dtype='bfloat16'"
         )
     return None

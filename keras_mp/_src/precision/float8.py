@@ -1,15 +1,16 @@
 """FP8 as a level's dtype: which matmuls compute in 8 bits, and the recipe.
 
 `amp_dtype="float8"` (O2, O3) computes in bfloat16 everywhere the level
-computes in half, and the matmuls the rules choose (`rules.py`) through
-Keras's own float8 path: a Dense or EinsumDense whose dtype policy is
-`float8_from_mixed_bfloat16` (O2) or `float8_from_bfloat16` (O3) quantizes
-its inputs and kernel to E4M3 and its output gradient to E5M2, each with a
-per-tensor scale from a history of amax values (delayed scaling, as
+computes in half, and the matmuls the rules choose (`rules.py`) in FP8: a
+Dense or EinsumDense whose dtype policy is Keras's
+`float8_from_mixed_bfloat16` (O2) or `float8_from_bfloat16` (O3), its
+inputs and kernel quantized to E4M3 and its output gradient to E5M2, each
+with a per-tensor scale from a history of amax values (delayed scaling, as
 Transformer Engine's `DelayedScaling` and Accelerate's `FP8RecipeKwargs`).
-XLA rewrites each quantize-dequantize around a dot into an FP8 GEMM on a GPU
-that has them (H100, H200, L4); elsewhere the program computes the same
-numbers in bfloat16.
+Its matmul multiplies the FP8 operands themselves where the backend can
+(`set_call`, `backends.fp8`: JAX and PyTorch), the same program on a CPU
+and on a GPU with FP8 units; on TensorFlow, Keras's own quantize-dequantize
+around a bfloat16 matmul.
 
 The scales and histories are variables of the layer (`overwrite_with_gradient`:
 the optimizer writes their new values); a skipped step leaves them as they
@@ -23,6 +24,7 @@ import warnings
 import keras
 import numpy as np
 
+from keras_mp._src import backends
 from keras_mp._src import keras_internals
 from keras_mp._src.precision import layer_tree
 from keras_mp._src.precision.layer_kinds import ALLOW_LIST
@@ -34,6 +36,9 @@ FLOAT8_CLASSES = (keras.layers.Dense, keras.layers.EinsumDense)
 # multiples of 16.
 FLOAT8_MULTIPLE = 16
 FORMATS = ("hybrid",)
+# torchao's auto filter for tensorwise scaling: a GEMM with K <= 4096 and
+# N <= 1024 ran slower in FP8 than in bfloat16 on an H100.
+SMALL_GEMM = (4096, 1024)
 AMAX_ALGORITHMS = ("max",)
 
 
@@ -53,12 +58,22 @@ class Float8Recipe:
             float8 layers compute this one only.
         margin: the scale leaves `2**margin` of headroom below the format's
             maximum. Keras's float8 layers compute with 0 only.
+        small_gemm: `(input_dim, units)`: a matmul whose contracted
+            dimension is at most the first and whose output dimension at
+            most the second stays in bfloat16, too small for FP8 to pay
+            (its quantizing costs more than its faster GEMM saves). Default
+            `(4096, 1024)`, torchao's threshold for tensorwise scaling,
+            measured on an H100 (a 1024 x 2048 x 1024 GEMM in FP8 at 0.80x
+            bfloat16's speed, 4096 x 8192 x 16384 at 1.39x). None: every
+            matmul the other rules choose, whatever its size (`allow=` puts
+            one layer in FP8 whatever its size).
     """
 
     amax_history_length: int = 1024
     fp8_format: str = "hybrid"
     amax_compute_algo: str = "max"
     margin: int = 0
+    small_gemm: tuple = SMALL_GEMM
 
     def __post_init__(self):
         n = self.amax_history_length
@@ -67,6 +82,18 @@ class Float8Recipe:
                 "`amax_history_length` must be an integer of at least 1. "
                 f"Received: amax_history_length={n!r}"
             )
+        small = self.small_gemm
+        if small is not None:
+            if (
+                not isinstance(small, (tuple, list))
+                or len(small) != 2
+                or not all(isinstance(d, int) and not isinstance(d, bool) and d >= 0 for d in small)
+            ):
+                raise ValueError(
+                    "`small_gemm` must be None or a pair of non-negative integers "
+                    f"(input_dim, units). Received: small_gemm={small!r}"
+                )
+            object.__setattr__(self, "small_gemm", tuple(small))
         _check_fixed("fp8_format", self.fp8_format, FORMATS)
         _check_fixed("amax_compute_algo", self.amax_compute_algo, AMAX_ALGORITHMS)
         _check_fixed("margin", self.margin, (0,))
@@ -154,6 +181,20 @@ def misaligned(layer):
     return ", ".join(bad) or None
 
 
+def too_small(layer, recipe):
+    """`"input_dim=64, units=64"`-style text of a layer's GEMM too small for
+    FP8 to pay under `recipe` (`Float8Recipe.small_gemm`), or None. A
+    dimension not known before the layer is built counts as small (FP8 is
+    never chosen on a guess that it pays)."""
+    if recipe is None or recipe.small_gemm is None:
+        return None
+    dims = gemm_dims(layer)
+    limits = dict(zip(("input_dim", "units"), recipe.small_gemm))
+    if any(size > limits[name] for name, size in dims.items()):
+        return None
+    return ", ".join(f"{k}={v}" for k, v in sorted(dims.items())) or "unbuilt"
+
+
 def start_scales_from_weights(layer):
     """A built layer just quantized to FP8: its kernel's scale from the
     kernel's own amax (Keras starts every scale at 1, which rounds a
@@ -175,42 +216,67 @@ def start_scales_from_weights(layer):
 E4M3_MAX = 448.0
 
 
-def follow_input_amax(layer, frozen):
-    """An FP8 layer that does not train (frozen after FP8 training): Keras
-    moves its scales only through the optimizer, so its input scale would
-    stay where training left it, and inputs that grow saturate E4M3. As
-    Transformer Engine does in each forward pass, its input scale follows
-    the amax history of what it takes in, at each training step (as
-    BatchNorm's statistics are updated: assigned in `call`); its kernel
-    does not change, nor its scale. Set at each compile (`frozen`: whether
-    the layer trains now); a layer that trains again goes back to Keras's
-    own call."""
-    own = layer.__dict__.get("_float8_call")
-    if not frozen:
-        if getattr(own, "follows_input_amax", False):
-            del layer.__dict__["_float8_call"]
-        return
-    if getattr(own, "follows_input_amax", False) or not hasattr(layer, "inputs_amax_history"):
-        return
-    keras_call = type(layer)._float8_call.__get__(layer)
+def set_call(layer, frozen):
+    """Sets an FP8 layer's call, at each compile (`frozen`: whether the
+    layer trains now).
 
-    def forward_amax_call(inputs, *args, training=None, **kwargs):
-        if training:
-            history = keras.quantizers.compute_float8_amax_history(
-                inputs, keras.ops.convert_to_tensor(layer.inputs_amax_history)
-            )
-            layer.inputs_amax_history.assign(history)
-            layer.inputs_scale.assign(
-                keras.quantizers.compute_float8_scale(
-                    keras.ops.max(history, axis=0),
-                    keras.ops.convert_to_tensor(layer.inputs_scale),
-                    keras.ops.cast(E4M3_MAX, "float32"),
-                )
-            )
-        return keras_call(inputs, *args, training=training, **kwargs)
+    Its matmul is an FP8 GEMM where the backend has one (`backends.fp8`):
+    FP8 operands into the dot, forward and both gradients, with Keras's
+    scales and their update rule; Keras's own call (quantize-dequantize
+    around a bfloat16 matmul) elsewhere.
 
-    forward_amax_call.follows_input_amax = True
-    object.__setattr__(layer, "_float8_call", forward_amax_call)
+    A layer that does not train (frozen after FP8 training): Keras moves its
+    scales only through the optimizer, so its input scale would stay where
+    training left it, and inputs that grow saturate E4M3. As Transformer
+    Engine does in each forward pass, its input scale follows the amax
+    history of what it takes in, at each training step (as BatchNorm's
+    statistics are updated: assigned in `call`); its kernel does not
+    change, nor its scale."""
+    from keras_mp._src.backends import fp8
+
+    gemm = fp8.current.gemm if fp8.current is not None else None
+    follows = frozen and hasattr(layer, "inputs_amax_history")
+    keras_internals.set_float8_call(
+        layer,
+        gemm,
+        _follow_input_amax(layer) if follows else None,
+        follows_input_amax=follows,
+        fp8_gemm=gemm is not None,
+    )
+
+
+def _follow_input_amax(layer):
+    def follow(inputs, training):
+        if not training:
+            return
+        history = keras.quantizers.compute_float8_amax_history(
+            inputs, keras.ops.convert_to_tensor(layer.inputs_amax_history)
+        )
+        layer.inputs_amax_history.assign(history)
+        layer.inputs_scale.assign(
+            keras.quantizers.compute_float8_scale(
+                keras.ops.max(history, axis=0),
+                keras.ops.convert_to_tensor(layer.inputs_scale),
+                keras.ops.cast(E4M3_MAX, "float32"),
+            )
+        )
+
+    return follow
+
+
+def quantize_dequantize_note():
+    """What FP8 computes on a backend without FP8 GEMMs (TensorFlow: its
+    CPU has no FP8 matmul, and Keras's step compiles no XLA there), or
+    None where FP8 operands go into the dot."""
+    from keras_mp._src.backends import fp8
+
+    if fp8.current is not None:
+        return None
+    return (
+        f"on {backends.current.NAME}, FP8 is quantize-dequantize: Keras's float8 "
+        "layers round their inputs, kernel and output gradient through FP8 and "
+        "multiply in bfloat16 (no FP8 x FP8 matmul in the graph)"
+    )
 
 
 _WARNED = []

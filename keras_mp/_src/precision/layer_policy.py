@@ -36,7 +36,7 @@ def set_policies(model, decisions):
     for layer, (policy_name, rule) in decisions:
         changed = _set_policy(layer, policy_name, rule) or changed
         if float8.is_float8(layer):
-            float8.follow_input_amax(layer, conditions.frozen(layer, None))
+            float8.set_call(layer, conditions.frozen(layer, None))
     if changed:
         backends.current.variables_changed(model)
 

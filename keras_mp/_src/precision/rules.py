@@ -97,9 +97,14 @@ KEPT = (
 
 # FP8 (`amp_dtype="float8"`, O2, O3): Keras's float8 Dense and EinsumDense
 # but the first and output layers (Transformer Engine's recipes keep them in
-# higher precision) and GEMMs FP8 cannot run; `allow=` puts those in FP8.
+# higher precision), GEMMs FP8 cannot run and GEMMs too small for FP8 to
+# pay (`Float8Recipe.small_gemm`); `allow=` puts those in FP8.
 _FP8 = (in_float8, layer_is(float8.has_float8_path))
 _FP8_REASON = "{level} float8: matmul in FP8 (E4M3 forward, E5M2 gradients)"
+
+
+def _too_small(layer, place):
+    return float8.too_small(layer, place.amp.float8) is not None
 
 
 def _fp8_in_bfloat16(condition, reason):
@@ -117,12 +122,13 @@ FLOAT8_RULES = (
     _fp8_in_bfloat16(is_head, "output layer in bfloat16 (allow= for FP8)"),
     _fp8_in_bfloat16(is_first, "first layer in bfloat16 (allow= for FP8)"),
     _fp8_in_bfloat16(layer_is(float8.misaligned), "{misaligned} not a multiple of 16, bfloat16"),
+    _fp8_in_bfloat16(_too_small, "{small} too small for FP8 to pay (small_gemm), bfloat16"),
     Rule(_FP8, FLOAT8, _FP8_REASON),
 )
 # A layer FP8 already (a model saved at this level, loaded): kept under
 # FP8's reason (Keras cannot undo a quantization); frozen since, its input
 # scale follows the amax of each training step's inputs
-# (`float8.follow_input_amax`).
+# (`float8.set_call`).
 KEPT_FP8 = (
     Rule(
         (in_float8, layer_is(float8.is_float8), frozen),
@@ -286,4 +292,5 @@ def _reason(reason, layer, amp, loss=""):
         policy=layer.dtype_policy.name,
         compute=keras.backend.standardize_dtype(layer.compute_dtype),
         misaligned=float8.misaligned(layer) if "{misaligned}" in reason else "",
+        small=float8.too_small(layer, amp.float8) if "{small}" in reason else "",
     )

@@ -6,8 +6,9 @@ not from the policies that should make it so.
 `census(model, x, y)` takes a compiled model (at a keras_mp level or under
 a Keras dtype policy) and one batch; `speed_report`'s "Matmul work in half"
 is its prediction, and the tests hold the two together
-(`tests/tools/test_compiled_census.py`). `memory(model, x, y)` is the same
-step's memory, as far as the backend exposes it.
+(`tests/tools/test_compiled_census.py`). `fp8_gemms(model, x, y)` counts
+its matmuls whose operands are FP8 themselves. `memory(model, x, y)` is the
+same step's memory, as far as the backend exposes it.
 """
 
 import collections
@@ -47,6 +48,20 @@ def census(model, x, y):
     total = sum(flops.values()) or 1
     half = sum(n for dtype, n in flops.items() if dtype in HALF_DTYPES + (FLOAT8,))
     return Census(dict(flops), half / total, flops[FLOAT8] / total)
+
+
+def fp8_gemms(model, x, y):
+    """`{"float8_e4m3fn x float8_e5m2": count, ...}`: the matmuls of
+    `model`'s train step on the batch `(x, y)` whose two operands are FP8
+    themselves (the operands' dtypes, sorted), in the program the backend
+    builds before any compiler pass: JAX's lowered StableHLO, TensorFlow's
+    traced graph, PyTorch's dispatched `_scaled_mm` (one `train_on_batch`,
+    every variable put back). An FP8 layer's step holds one E4M3 x E4M3
+    (forward) and two with an E5M2 gradient (backward)."""
+    from keras_mp._src.backends import fp8
+
+    pairs = fp8.train_step_gemms(model, (x, y))
+    return dict(collections.Counter(" x ".join(pair) for pair in pairs))
 
 
 @dataclasses.dataclass(frozen=True)

@@ -77,6 +77,7 @@ def speed_report(
     deny=None,
     print_fn=None,
     gpu=None,
+    float8_recipe=None,
 ):
     """Predicts, on any machine, what a precision level does to a step's speed.
 
@@ -100,7 +101,8 @@ def speed_report(
         moment_dtypes: Adam's moments as `LossScaleOptimizer(moment_dtypes=...)`
             keeps them (`"float8"`, a pair, or None for float32); by default
             those of the model's compiled optimizer.
-        keep_batchnorm_fp32, allow, deny: as in `apply_amp`.
+        keep_batchnorm_fp32, allow, deny, float8_recipe: as in `apply_amp`
+            (the recipe's `small_gemm` keeps small matmuls out of FP8).
         print_fn: optional callable given the text (e.g. `print`).
         gpu: the older name of `device` (a GPU's name).
 
@@ -117,7 +119,7 @@ def speed_report(
         peaks = gpu_peaks.peaks_of(gpu, "gpu")
     else:
         peaks = gpu_peaks.peaks_of(device)
-    amp = amp_settings.for_layers(level, dtype, keep_batchnorm_fp32, allow, deny)
+    amp = amp_settings.for_layers(level, dtype, keep_batchnorm_fp32, allow, deny, float8_recipe)
     reference = amp_settings.for_layers("O0", amp.half)
     calls = speed_trace.trace(model, x)
     slots = speed_model.slots_of(model) if slots is None else slots

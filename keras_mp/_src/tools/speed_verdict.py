@@ -5,6 +5,7 @@ time it would save (`advice`, `float8_advice`)."""
 
 import dataclasses
 
+from keras_mp._src.precision import float8
 from keras_mp._src.precision import speed_trace
 from keras_mp._src.precision import step_cost
 from keras_mp._src.precision.float8 import Float8Recipe
@@ -158,7 +159,11 @@ def float8_advice(model, calls, amp, accounts, peaks):
         as_fp8 = dataclasses.replace(amp, half="bfloat16", float8=Float8Recipe())
         candidates = step_cost.accounts_at(model, calls, as_fp8)
     else:
-        allowed = tuple(a.layer for a in accounts.values() if a.matmul != FLOAT8 and a.flops)
+        allowed = tuple(
+            a.layer
+            for a in accounts.values()
+            if a.matmul != FLOAT8 and a.flops and not _too_small(a.layer, amp.float8)
+        )
         as_fp8 = dataclasses.replace(amp, allow=amp.allow + allowed)
         candidates = step_cost.accounts_at(model, calls, as_fp8)
     saved, names, kinds = 0.0, [], set()
@@ -178,6 +183,11 @@ def float8_advice(model, calls, amp, accounts, peaks):
     else:
         text = f"allow=[...] (first or output layer) or padding to 16 puts {where} in FP8"
     return [(saved, f"{text} (~{saved * 1e6:.1f} us a step)")]
+
+
+def _too_small(layer, recipe):
+    """A Dense or EinsumDense the recipe keeps in bfloat16 for its size."""
+    return float8.has_float8_path(layer) and float8.too_small(layer, recipe) is not None
 
 
 def layer_name(layer):

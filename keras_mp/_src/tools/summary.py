@@ -7,6 +7,7 @@ import keras
 from keras_mp._src import keras_internals
 from keras_mp._src.model import wrapping
 from keras_mp._src.precision import fallback
+from keras_mp._src.precision import float8
 from keras_mp._src.precision import layer_tree
 from keras_mp._src.precision import probability_ops
 from keras_mp._src.precision.layer_policy import rule_of
@@ -61,12 +62,20 @@ def precision_summary(model, print_fn=None):
     users = [_path(layer) for layer in layers if probability_ops.in_users_code(layer)]
     if users:
         lines += ["", f"{probability_ops.USERS_CODE_NOTE}: {', '.join(users)}."]
-    if any(r["policy"].startswith("float8_from_") for r in rows):
+    fp8 = [r["layer"] for r in rows if r["policy"].startswith("float8_from_")]
+    kept_out = [r["layer"] for r in rows if " float8: " in r["rule"] and r["layer"] not in fp8]
+    if fp8 or kept_out:
+        lines += ["", f"FP8 matmuls: {', '.join(fp8) or 'none'}."]
+        if kept_out:
+            lines += [f"Kept out of FP8 (the rule of each above): {', '.join(kept_out)}."]
+    if fp8:
         from keras_mp._src.precision.auto_level import float8_gemms_absent
 
         absent = float8_gemms_absent()
         if absent is not None:
             lines += ["", f"FP8: {absent}."]
+        if float8.quantize_dequantize_note():
+            lines += ["", f"FP8: {float8.quantize_dequantize_note()}."]
     # `to_float` on a layer inside since: auto's choice no longer the story.
     if auto_choice(model) and not any(r["rule"].startswith("to_float(") for r in rows):
         lines += ["", auto_choice(model)]
