@@ -96,6 +96,7 @@ print(json.dumps({f"{i} {how}": loads(how, t) for i, (how, t) in enumerate(zip(t
 """
 
 
+@pytest.mark.slow(reason="five writer processes, each killed at a random moment, then loaded")
 def test_a_writer_killed_at_any_moment_leaves_a_file_that_loads(tmp_path):
     """Five writers (two `model.save` loops, `ModelCheckpoint` of the model and
     of its weights, `BackupAndRestore`, each saving at every batch) killed

@@ -65,6 +65,7 @@ def test_steps_below_bfloat16_spacing_add_up_in_the_buffer(inner):
         "compensated",
     ],
 )
+@pytest.mark.slow(reason="PyTorch: torch.compile's inductor compiles the step, 30-60 s on a CPU")
 def test_a_compiled_fit_keeps_what_rounding_lost(master_weights):
     """`fit` compiled as Keras compiles it (XLA; PyTorch: `jit_compile=True`,
     torch.compile): steps of 1/8 of the bfloat16 spacing add up in the float32

@@ -260,6 +260,7 @@ LONG_RUNS = {
 }
 
 
+@pytest.mark.slow(reason="thousands of Adam steps, the drift a short run cannot show")
 @pytest.mark.parametrize("run", list(LONG_RUNS))
 @pytest.mark.parametrize("moment_dtypes", [("float8", "bfloat16"), ("float8", "float16")])
 def test_every_moment_format_follows_float32_adam_over_thousands_of_steps(moment_dtypes, run):

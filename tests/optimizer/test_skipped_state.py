@@ -175,6 +175,7 @@ def test_jax_sharding_loop_keeps_batchnorm_statistics_on_a_skipped_step():
 
 
 @pytest.mark.skipif(BACKEND != "torch", reason="DistributedDataParallel")
+@pytest.mark.slow(reason="two PyTorch processes meeting over gloo, each importing Keras")
 def test_ddp_loop_on_two_processes_keeps_batchnorm_statistics_and_one_set_of_weights():
     """Two gloo ranks on 127.0.0.1; only rank 0's half of one batch has a
     NaN. Each rank checks its own skip in-process; both must report the

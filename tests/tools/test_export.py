@@ -352,6 +352,7 @@ def test_export_rejects_non_models(tmp_path):
 
 
 @pytest.mark.skipif(BACKEND != "torch", reason="the PyTorch backend's limitation")
+@pytest.mark.slow(reason="the workaround it names, run as written: TensorFlow started in a process")
 def test_torch_says_how_to_export(tmp_path, float16_model):
     """From PyTorch: a clear error, and the workaround it names works."""
     model = float16_model
