@@ -157,7 +157,8 @@ def run(name, rounds, steps):
         return dataclasses.replace(amp_settings.for_layers(level, half), loss=loss)
 
     level, dtype, reason = auto_level.pick_auto_level(None, model, settings_for)
-    print(f"# {backend} {name}: auto picks {level} {dtype}: {reason}", flush=True)
+    picked = level if level == "O0" else f"{level} {dtype}"  # O0: no half dtype
+    print(f"# {backend} {name}: auto picks {picked}: {reason}", flush=True)
 
 
 def main():

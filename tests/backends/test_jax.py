@@ -163,3 +163,25 @@ def test_bfloat16_rounding_is_a_reduce_precision_xla_keeps():
         .as_text()
     )
     assert "reduce_precision" in text and "convert" not in text
+
+
+@pytest.mark.perf
+@pytest.mark.skipif(BACKEND != "jax", reason="JAX's finiteness check")
+def test_jax_checks_the_gradients_of_a_dtype_at_once():
+    """One finiteness check for each dtype's gradients, flattened end to end:
+    XLA's CPU runs each check as kernels of its own, a check per gradient
+    was 3 kernels each (a small model's step spent more in them than in
+    its update). A non-finite value in any of them still skips the step."""
+    import jax
+
+    optimizer = keras_mp.LossScaleOptimizer(keras.optimizers.SGD(0.1))
+    shapes = [(3, 4), (4,), (4, 2)]
+    variables = [keras.Variable(np.ones(s, np.float32)) for s in shapes]
+    optimizer.build(variables)
+    grads = [tensor(np.ones(s)) for s in shapes]
+    values = [v.value for v in optimizer.variables], [v.value for v in variables]
+    jaxpr = str(jax.make_jaxpr(optimizer.stateless_apply)(values[0], grads, values[1]))
+    assert jaxpr.count("is_finite") == 1, jaxpr
+    grads[1] = tensor(np.array([1.0, np.inf, 1.0, 1.0]))
+    new_variables, _ = jax.jit(optimizer.stateless_apply)(values[0], grads, values[1])
+    assert all(np.array_equal(numpy(n), numpy(v)) for n, v in zip(new_variables, values[1]))

@@ -46,3 +46,16 @@ def test_the_call_context_and_the_open_layer_scopes():
     assert keras_internals.stateless_scope() is None
     with keras.StatelessScope() as scope:
         assert keras_internals.stateless_scope() is scope
+
+
+def test_keras_own_layer_classes_are_told_from_the_users():
+    """`find_optimizers` passes over Keras's own layers (they hold no
+    optimizer); a subclass of the user's, a model, are looked at."""
+
+    class Mine(keras.layers.Dense):
+        pass
+
+    assert keras_internals.is_keras_layer_class(keras.layers.Dense(2))
+    assert keras_internals.is_keras_layer_class(keras.layers.BatchNormalization())
+    assert not keras_internals.is_keras_layer_class(Mine(2))
+    assert not keras_internals.is_keras_layer_class(keras.Sequential([keras.layers.Dense(2)]))

@@ -411,3 +411,43 @@ def test_a_custom_train_step_that_does_not_scale_its_loss_is_told(scaled, level,
     assert moved > 0.5 * moved_o0
     for got, want in zip(weights, reference):
         np.testing.assert_allclose(got, want, atol=2e-2 if dtype == "float16" else 5e-2)
+
+
+@pytest.mark.perf
+@pytest.mark.skipif(BACKEND != "torch", reason="PyTorch's step reads its skip flag on the host")
+def test_a_torch_step_that_applies_puts_nothing_back():
+    """PyTorch's step knows on the host whether it skipped (its one flag
+    read, as GradScaler's): a step that applied puts no state back, with no
+    select and no assignment per variable (on the digits MLP they were a
+    fifth of keras_mp's cost per step). A skipped step still restores
+    BatchNorm's statistics (`test_compile.py`'s skipped-batch tests)."""
+    import collections
+
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Count(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.ops = collections.Counter()
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            self.ops[func.overloadpacket.__name__] += 1
+            return func(*args, **(kwargs or {}))
+
+    x, y = _data(with_nan=False)
+    counts = []
+    for settings in ({}, {"loss_scale": None}):  # guarded (bfloat16's check), plain
+        keras.utils.set_random_seed(0)
+        model = keras.Sequential(
+            [keras.Input((8,)), keras.layers.BatchNormalization(), keras.layers.Dense(2)]
+        )
+        loss = keras.losses.SparseCategoricalCrossentropy(from_logits=True)
+        model.compile("adam", loss, amp_level="O2", amp_dtype="bfloat16", **settings)
+        model.train_on_batch(x[:BATCH], y[:BATCH])
+        with Count() as count:
+            model.train_on_batch(x[:BATCH], y[:BATCH])
+        counts.append(count.ops)
+    guarded, plain = counts
+    assert guarded["copy_"] == plain["copy_"], (guarded, plain)
+    # `scale_loss`'s factor (1 where the loss is finite, NaN where not).
+    assert guarded["where"] == plain["where"] + 1, (guarded, plain)

@@ -201,7 +201,11 @@ def assign_state(step, old_state, new_state):
 
 
 def apply(step, grads, trainable_variables, unscaled_by_caller):
-    """One loss-scaled step on variables (see `loss_scale.Step`)."""
+    """One loss-scaled step on variables (see `loss_scale.Step`).
+
+    Returns whether it applied the gradients, a Python bool, where the
+    backend decides on the host (PyTorch); None where a tensor decides.
+    """
     raise NotImplementedError(f"keras_mp's LossScaleOptimizer does not support the {NAME} backend.")
 
 

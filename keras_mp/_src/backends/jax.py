@@ -38,6 +38,10 @@ def skips_by_select():
     return form != "cond"
 
 
+# The most gradient values checked as one array (`all_finite`).
+_CHECKED_AT_ONCE = 2**20
+
+
 def all_finite(grads):
     """Whether every gradient value is finite: `all(isfinite(g))`, exact.
 
@@ -55,7 +59,22 @@ def all_finite(grads):
     grads = [common.dense_values(g) for g in grads if g is not None]
     if not grads:
         return jnp.asarray(True)
-    return common.exact_all_finite(grads)
+    if (
+        len(grads) == 1
+        or sum(g.size for g in grads) > _CHECKED_AT_ONCE
+        or keras.distribution.distribution() is not None  # a check of each stays on its shards
+    ):
+        return common.exact_all_finite(grads)
+    # A small model's gradients: one check of each dtype's, flattened end to
+    # end. XLA's CPU runs each check as three kernels, whose launches cost
+    # more than their reads here (the digits MLP's 8 gradients: 5 kernels
+    # instead of 25, 0.14 ms against 0.21 ms); a large model's would hold
+    # a flag for every value at once.
+    flat = {}
+    for g in grads:
+        flat.setdefault(g.dtype, []).append(jnp.ravel(g))
+    flags = [jnp.all(jnp.isfinite(jnp.concatenate(same))) for same in flat.values()]
+    return flags[0] if len(flags) == 1 else jnp.all(jnp.stack(flags))
 
 
 # -- the step ----------------------------------------------------------------

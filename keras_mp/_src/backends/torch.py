@@ -77,6 +77,7 @@ def apply(step, grads, trainable_variables, unscaled_by_caller):
         if finite:
             step.apply_inner(unscaled, trainable_variables)
         update_in_place(step, finite)
+    return finite
 
 
 def update_in_place(step, finite):

@@ -61,6 +61,13 @@ def children(layer):
     return list(layer._flatten_layers(include_self=False, recursive=False))
 
 
+def is_keras_layer_class(layer):
+    """Whether `layer` is an instance of one of Keras's own layer classes
+    (`Dense`, `BatchNormalization`; not a model, not a subclass of the
+    user's), read from the module that defines its class."""
+    return type(layer).__module__.startswith("keras.src.layers.")
+
+
 def all_layers(layer):
     """`layer` and every layer inside it (Keras's own recursive walk)."""
     return list(layer._flatten_layers(include_self=True, recursive=True))

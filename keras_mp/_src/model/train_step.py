@@ -215,6 +215,11 @@ def _stateful_train_step(original, model, optimizers, guard):
     # Decided once: whether the step is Keras's own (`_taking_float32_grads`).
     keras_own = backends.current.Float32Grads is not None
     keras_own = keras_own and keras_internals.is_keras_train_step(original)
+    # PyTorch's eager step reads its one flag on the host (as GradScaler):
+    # whether it skipped is a Python fact there, so a step that applied
+    # (nearly all) restores nothing, with no op at all. Under torch.compile,
+    # and on TensorFlow, the optimizer's `skipped_steps` decides by selects.
+    on_host = backends.current.EAGER_STEP and not model.jit_compile
 
     def train_step(data):
         if guard:
@@ -222,7 +227,10 @@ def _stateful_train_step(original, model, optimizers, guard):
             # Copies: on PyTorch `.value` is the parameter itself, updated in place.
             state = [(v, ops.copy(v.value)) for v in model.non_trainable_variables]
             metrics = [(v, ops.copy(v.value)) for v in model.metrics_variables]
-            skipped_before = [ops.copy(o.skipped_steps.value) for _, o in optimizers]
+            if on_host:
+                skipped_before = [o._host_skips for _, o in optimizers]
+            else:
+                skipped_before = [ops.copy(o.skipped_steps.value) for _, o in optimizers]
         with _StepFlags(optimizers) as flags, assigned_half.Noting(model, optimizers):
             try:
                 with _taking_float32_grads(model, optimizers, keras_own):
@@ -237,7 +245,14 @@ def _stateful_train_step(original, model, optimizers, guard):
                         variable.assign(old)
                 with _taking_float32_grads(model, optimizers, keras_own):
                     logs = original(data)
-        if guard:
+        if guard and on_host:
+            if any(o._host_skips != before for (_, o), before in zip(optimizers, skipped_before)):
+                bad_metrics = _bad_metrics(True, [v.value for v, _ in metrics])
+                for variable, old in state:
+                    variable.assign(old)
+                for variable, old in metrics:
+                    variable.assign(ops.where(bad_metrics, old, variable.value))
+        elif guard:
             # Any optimizer's skip: a NaN batch skips them all.
             moved = [
                 ops.not_equal(o.skipped_steps.value, before)

@@ -204,11 +204,15 @@ def find_optimizers(model):
     dicts held in them (`optimizers[1]`, `optimizers['generator']`), and the
     same in every layer and nested model of its tree: a layer that steps its
     own optimizer (keras-io's Forward-Forward `FFDense`) is labelled
-    `<layer name>.<attribute>`.
+    `<layer name>.<attribute>`. Keras's own layer classes (`Dense`,
+    `BatchNormalization`: not a subclass of the user's, not a model) hold
+    none and are passed over: every `train_on_batch` asks.
     """
     found, seen = [], set()
     holders = layer_tree.layers_in_order(model) if isinstance(model, keras.Layer) else [model]
     for holder in holders:
+        if holder is not model and keras_internals.is_keras_layer_class(holder):
+            continue
         prefix = "" if holder is model else f"{holder.name}."
         for held in _held_by(holder, prefix):
             if id(held.optimizer) not in seen:

@@ -29,6 +29,19 @@ from keras_mp._src.optimizer.master_weights import float32_grads_of
 from keras_mp._src.optimizer.scaled_loss import ScaleLoss
 
 _KerasLossScaleOptimizer = keras.optimizers.LossScaleOptimizer
+# The wrapper's own bookkeeping, plain Python values (see `__init__`).
+_STEP_FLAGS = frozenset(
+    (
+        "_applies",
+        "_grads_unscaled_by_caller",
+        "_host_skips",
+        "_loss_ever_scaled",
+        "_loss_scaled_outside_fit",
+        "_scale_is_the_steps",
+        "_scaled_this_step",
+        "_warned_unscaled_loss",
+    )
+)
 
 
 @keras.saving.register_keras_serializable(package="keras_mp")
@@ -219,6 +232,10 @@ class LossScaleOptimizer(
         # How many times `apply`/`stateless_apply` ran in Python (traced or
         # run): which optimizers a step of the model's own uses (the logs).
         self._applies = 0
+        # How many steps this process skipped where the backend decides on
+        # the host (PyTorch's eager step, `backends.torch.apply`): the train
+        # step restores the model's state from it, with no tensor op.
+        self._host_skips = 0
         # JAX: whether the last `scale_loss` read the step's own scale (in a
         # StatelessScope) rather than the variable's value at trace time.
         self._scale_is_the_steps = True
@@ -240,6 +257,11 @@ class LossScaleOptimizer(
     moment_dtypes = property(lambda self: self._moment_dtypes, doc="Adam's moments' dtypes.")
 
     def __setattr__(self, name, value):
+        if name in _STEP_FLAGS:
+            # Python values set at every step: Keras's tracking has nothing
+            # to track in them, and on a small model its walk is measurable.
+            object.__setattr__(self, name, value)
+            return
         # `lso.use_ema = True` would set the wrapper's own, unused copy.
         if "_config" in self.__dict__:  # after the base `__init__` set the defaults
             check_inner_setting(self, name, value)
@@ -325,9 +347,11 @@ class LossScaleOptimizer(
         if not unscaled_by_caller:
             unscaled_loss.warn_if_the_loss_was_never_scaled(self, "apply")
 
-        backends.current.apply(
+        finite = backends.current.apply(
             self._step(trainable_variables), grads, trainable_variables, unscaled_by_caller
         )
+        if finite is False:  # known on the host (PyTorch); None elsewhere
+            self._host_skips += 1
 
     def _step(self, trainable_variables):
         """The step's state and callables, for the backend's `apply`."""

@@ -39,10 +39,7 @@ class ScaleLoss:
         unscaled_loss.note_scaled(self)
         scale, self._scale_is_the_steps = backends.current.read_scale(self.loss_scale)
         if self._config.checks_finite:
-            scale = ops.multiply(scale, finite_or_nan(loss))
+            # The scale where the loss is finite, NaN where it is not (no
+            # gradient flows through `isfinite`): one select, no product.
+            scale = ops.where(ops.isfinite(loss), scale, float("nan"))
         return ops.multiply(loss, scale)
-
-
-def finite_or_nan(loss):
-    """1 where `loss` is finite, NaN where it is not; no gradient."""
-    return ops.stop_gradient(ops.where(ops.isfinite(loss), 1.0, float("nan")))
