@@ -12,6 +12,10 @@ print_msg = _need("keras.src.utils.io_utils", "print_msg")
 
 LossFunctionWrapper = _need("keras.src.losses.losses", "LossFunctionWrapper")
 
+# Keras's loss reduction (`Loss.__call__`'s): sample weights, the logits'
+# mask, and `reduction` (the chunked loss, `lm_loss.py`, reduces as Keras does).
+reduce_weighted_values = _need("keras.src.losses.loss", "reduce_weighted_values")
+
 # Optional: absent in a Keras that sums `add_loss` losses some other way,
 # and then left alone.
 aggregate_additional_loss = getattr(Trainer, "_aggregate_additional_loss", None)
