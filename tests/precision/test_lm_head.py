@@ -46,3 +46,12 @@ def test_a_tied_embedding_read_in_reverse():
 def test_no_head_says_why(model, why):
     found = lm_head.find(model())
     assert found.layer is None and why in found.why
+
+
+def test_a_sequential_built_on_a_shape():
+    """`build(shape)`, no Input: its graph is Keras's own functional copy."""
+    model = keras.Sequential([keras.layers.Embedding(11, 4), keras.layers.Dense(11)])
+    model.build((None, 5))
+    found = lm_head.find(model)
+    assert found.layer is model.layers[-1]
+    assert found.trunk.output.shape == (None, 5, 4)

@@ -75,8 +75,11 @@ def _find(model):
     hidden = args[0] if args else None
     if not isinstance(hidden, keras.KerasTensor) or index != 0:
         return Found(why=f"the input of its head `{layer.name}` is not one tensor")
+    inputs = keras_internals.graph_inputs(model)
+    if inputs is None:
+        return Found(why="a Sequential model not built on an input yet")
     try:
-        trunk = keras.Model(model.input, hidden, name=f"{model.name}_trunk")
+        trunk = keras.Model(inputs, hidden, name=f"{model.name}_trunk")
     except (ValueError, TypeError) as error:  # a graph Keras cannot cut there
         return Found(why=f"no model up to its head `{layer.name}` ({error})")
     return Found(layer, trunk, passes_mask=not reversed_embedding)
