@@ -25,7 +25,7 @@ def found():
 @pytest.mark.parametrize(
     "facts, chunked, reason",
     [
-        (dict(tokens=8 * 1024), True, "float32 loss chunk by chunk through `head` (328 tokens"),
+        (dict(tokens=8 * 1024), True, "float32 loss chunk by chunk through `head` (664 tokens"),
         (dict(tokens=None), True, "float32 loss chunk by chunk"),
         (dict(tokens=64), False, "plain loss: logits of 64 tokens x 50,000 under"),
         (

@@ -362,6 +362,9 @@ def train_step_memory(model, data):
     raise NotImplementedError(f"keras_mp reads no train step program on the {NAME} backend")
 
 
+train_step_largest = train_step_memory  # the elements of its largest tensor
+
+
 # -- probabilities kept in half ------------------------------------------------
 
 

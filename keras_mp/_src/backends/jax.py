@@ -203,6 +203,19 @@ def train_step_matmuls(model, data):
     return hlo_text.census(lowered.as_text(dialect="hlo"))[0]
 
 
+def train_step_largest(model, data):
+    """The elements of the largest floating-point array in the HLO JAX
+    lowers `fit`'s train step to (nothing compiled, nothing run)."""
+    import jax
+
+    from keras_mp._src.backends import hlo_text
+
+    keras_internals.build_for_training(model, data)
+    state = keras_internals.jax_training_state(model)
+    lowered = jax.jit(model.train_step).lower(state, data)
+    return hlo_text.largest_array(lowered.as_text(dialect="hlo"))
+
+
 def train_step_memory(model, data):
     """`(held, None)`: XLA's temporary bytes of `fit`'s train step, compiled
     for this machine with its state donated, as `fit` compiles it (nothing

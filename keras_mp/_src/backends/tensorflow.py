@@ -284,6 +284,18 @@ def train_step_matmuls(model, data):
     return tf_graph.matmuls(tf.function(model.train_step).get_concrete_function(spec).graph)
 
 
+def train_step_largest(model, data):
+    """The elements of the largest floating-point tensor in the graph
+    `tf.function` traces of the train step (nothing run)."""
+    import tensorflow as tf
+
+    from keras_mp._src.backends import tf_graph
+
+    keras_internals.build_for_training(model, data)
+    spec = tf.nest.map_structure(lambda a: tf.TensorSpec(a.shape, tf.as_dtype(a.dtype)), data)
+    return tf_graph.largest_tensor(tf.function(model.train_step).get_concrete_function(spec).graph)
+
+
 def train_step_memory(model, data):
     """`(None, saved)`: the bytes by dtype of the forward values the
     gradient's ops read in the graph `tf.function` traces of the train step

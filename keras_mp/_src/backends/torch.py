@@ -252,6 +252,14 @@ def train_step_memory(model, data):
     return torch_dispatch.memory_of_one_step(model, data)
 
 
+def train_step_largest(model, data):
+    """The elements of the largest floating-point tensor one train step
+    (`train_on_batch`) makes, after which every variable is as before."""
+    from keras_mp._src.backends import torch_dispatch
+
+    return torch_dispatch.largest_of_one_step(model, data)
+
+
 def train_step_matmuls(model, data):
     """The matmuls PyTorch dispatches in one train step (`train_on_batch`),
     after which every variable of the model, its optimizer and metrics holds

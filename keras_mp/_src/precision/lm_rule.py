@@ -14,9 +14,10 @@ import keras
 
 from keras_mp._src.precision import lm_loss
 
-# Logits (tokens x vocabulary) from which on the rule chunks the loss: four
-# chunks' worth, so that a chunk holds at most a quarter of them.
-LOGITS_THRESHOLD = 4 * lm_loss.CHUNK_LOGITS
+# Logits (tokens x vocabulary) from which on the rule chunks the loss: at
+# least two chunks' worth (256 MiB of float32 logits, which Keras's loss
+# holds beside their half copy and their gradient).
+LOGITS_THRESHOLD = 2 * lm_loss.CHUNK_LOGITS
 
 # Metrics computed from each chunk's logits in the same pass (argmax hits).
 CHUNKED_METRICS = (keras.metrics.SparseCategoricalAccuracy,)
