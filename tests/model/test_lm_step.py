@@ -71,6 +71,48 @@ def test_gpt2_follows_the_plain_loss_step_by_step(models):
     assert logits.shape == (2, LENGTH, VOCABULARY) and logits.dtype == np.float32
 
 
+@pytest.mark.one_backend
+def test_gemma2_soft_capped_follows_the_plain_loss():
+    """Gemma 2's final soft-cap (`ReversibleEmbedding.logit_soft_cap`)."""
+
+    def gemma(chunked_loss, weights=None):
+        backbone = keras_hub.models.GemmaBackbone(
+            vocabulary_size=VOCABULARY,
+            num_layers=1,
+            num_query_heads=2,
+            num_key_value_heads=1,
+            hidden_dim=8,
+            intermediate_dim=16,
+            head_dim=4,
+            final_logit_soft_cap=2.0,
+        )
+        model = keras_hub.models.GemmaCausalLM(backbone, preprocessor=None)
+        if weights is not None:
+            model.set_weights(weights)
+        model.compile(
+            optimizer=keras.optimizers.Adam(1e-2),
+            amp_level="O2",
+            amp_dtype="bfloat16",
+            chunked_loss=chunked_loss,
+        )
+        return model
+
+    keras.utils.set_random_seed(2)
+    plain = gemma(False)
+    chunked = gemma(CHUNK, plain.get_weights())
+    for step in range(2):
+        got, want = (
+            m.train_on_batch(X, Y, sample_weight=SAMPLE_WEIGHT, return_dict=True)
+            for m in (chunked, plain)
+        )
+        # The first step's loss is the same logits'; after it the weights
+        # differ by the gradients' roundings (the soft-cap's derivative is
+        # float32's here, the plain step's bfloat16's).
+        rtol = 1e-5 if step == 0 else 2e-3
+        np.testing.assert_allclose(got["loss"], want["loss"], rtol=rtol, err_msg=f"step {step}")
+    assert keras_mp.precision_summary(chunked).loss.startswith("float32 loss chunk by chunk")
+
+
 def _small_lm(chunked_loss=True, metrics=None, head=None):
     tokens = keras.Input((LENGTH,), dtype="int32")
     hidden = keras.layers.Embedding(VOCABULARY, 8)(tokens)
