@@ -153,6 +153,13 @@ def test_the_step_says_which_loss_it_computes(make, reason):
 
 
 @pytest.mark.one_backend
+def test_before_the_first_step_the_summary_says_what_decides():
+    summary = keras_mp.precision_summary(_small_lm(chunked_loss=None))
+    assert summary.loss.startswith("by rule at the first step: float32 loss chunk by chunk")
+    assert "Loss: by rule" in summary.text
+
+
+@pytest.mark.one_backend
 def test_a_subclassed_model_keeps_the_plain_loss_and_says_so():
     class LanguageModel(keras.Model):
         def __init__(self):

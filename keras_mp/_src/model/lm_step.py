@@ -83,7 +83,16 @@ def expected(model):
         return None
     setting, loss = model.__dict__[SETTING]
     facts = lm_rule.LossFacts(setting, _found(model), loss, own_step=_own_step(model))
-    return rules.decide_loss(facts)
+    chunked, reason = rules.decide_loss(facts)
+    if chunked and setting is None:
+        # The batch's tokens decide (`lm_rule.small_logits`).
+        reason = (
+            f"by rule at the first step: float32 loss chunk by chunk through "
+            f"`{facts.found.layer.name}` where a batch's logits (tokens x "
+            f"{facts.vocabulary:,}) reach {lm_rule.LOGITS_THRESHOLD:,} elements, "
+            "else the plain loss; chunked_loss=False for the plain loss"
+        )
+    return chunked, reason
 
 
 def chunking(model, data):

@@ -91,8 +91,7 @@ def precision_summary(model, print_fn=None):
 
 def _loss(model):
     """The loss rule's reason (`rules.LOSS_RULES`): the latest step's, or
-    before any step what the model's shape says (the batch's size decides
-    the rest)."""
+    before any step what the model's shape says (`lm_step.expected`)."""
     if not isinstance(model, keras.Model):
         return None
     decided = lm_step.decision(model)
@@ -101,7 +100,7 @@ def _loss(model):
     expected = lm_step.expected(model)
     if expected is None:
         return None
-    return f"{expected[1]} (before the first step: its batch's tokens decide)"
+    return expected[1]
 
 
 def _path(layer):
