@@ -366,6 +366,9 @@ def train_step_memory(model, data):
     raise NotImplementedError(f"keras_mp reads no train step program on the {NAME} backend")
 
 
+train_step_largest = train_step_memory  # the elements of its largest tensor
+
+
 # -- probabilities kept in half ------------------------------------------------
 
 
@@ -389,6 +392,11 @@ def saved_in_half(forward, backward, x, dtype, read_after=None):
         return y, grad
 
     return kept_in_half(x)
+
+
+def chunked_token_losses(chunks, hidden, labels, weights, chunk):
+    """A loss chunk by chunk (`lm_loss.py`): `jax_chunks`, `torch_chunks`, `tf_chunks`."""
+    raise NotImplementedError(f"keras_mp has no chunked loss on the {NAME} backend")
 
 
 def recomputed_from_half(function, inputs, weights):

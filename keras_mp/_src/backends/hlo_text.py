@@ -40,6 +40,13 @@ def _arrays(text):
     ]
 
 
+def largest_array(text):
+    """The elements of the largest floating-point array written in HLO
+    `text` (any instruction's result or operand, in any computation: a
+    loop's body holds one chunk's)."""
+    return max((_product(dims) for dtype, dims in _arrays(text) if dtype in DTYPES), default=0)
+
+
 def _product(values):
     total = 1
     for value in values:

@@ -11,6 +11,7 @@ import keras
 from keras_mp._src import keras_internals
 from keras_mp._src.backends import common
 from keras_mp._src.backends.common import *  # noqa: F401,F403 (the portable hooks)
+from keras_mp._src.backends.jax_chunks import chunked_token_losses  # noqa: F401 (the hook)
 
 STATELESS = True
 OPENVINO_THROUGH_ONNX = True
@@ -219,6 +220,19 @@ def train_step_matmuls(model, data):
     state = keras_internals.jax_training_state(model)
     lowered = jax.jit(model.train_step).lower(state, data)
     return hlo_text.census(lowered.as_text(dialect="hlo"))[0]
+
+
+def train_step_largest(model, data):
+    """The elements of the largest floating-point array in the HLO JAX
+    lowers `fit`'s train step to (nothing compiled, nothing run)."""
+    import jax
+
+    from keras_mp._src.backends import hlo_text
+
+    keras_internals.build_for_training(model, data)
+    state = keras_internals.jax_training_state(model)
+    lowered = jax.jit(model.train_step).lower(state, data)
+    return hlo_text.largest_array(lowered.as_text(dialect="hlo"))
 
 
 def train_step_memory(model, data):

@@ -15,6 +15,7 @@ from keras_mp._src import keras_internals
 from keras_mp._src.backends import common
 from keras_mp._src.backends import tf_distribute
 from keras_mp._src.backends.common import *  # noqa: F401,F403 (the portable hooks)
+from keras_mp._src.backends.tf_chunks import chunked_token_losses  # noqa: F401 (the hook)
 from keras_mp._src.backends.tf_distribute import check_compile  # noqa: F401 (the hook)
 from keras_mp._src.optimizer.loss_scale import update
 
@@ -286,6 +287,18 @@ def train_step_graph(model, data):
     keras_internals.build_for_training(model, data)
     spec = tf.nest.map_structure(lambda a: tf.TensorSpec(a.shape, tf.as_dtype(a.dtype)), data)
     return tf.function(model.train_step).get_concrete_function(spec).graph
+
+
+def train_step_largest(model, data):
+    """The elements of the largest floating-point tensor in the graph
+    `tf.function` traces of the train step (nothing run)."""
+    import tensorflow as tf
+
+    from keras_mp._src.backends import tf_graph
+
+    keras_internals.build_for_training(model, data)
+    spec = tf.nest.map_structure(lambda a: tf.TensorSpec(a.shape, tf.as_dtype(a.dtype)), data)
+    return tf_graph.largest_tensor(tf.function(model.train_step).get_concrete_function(spec).graph)
 
 
 def train_step_memory(model, data):

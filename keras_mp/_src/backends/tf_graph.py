@@ -61,6 +61,22 @@ def operations(graph):
                     stack.append(function.graph)
 
 
+def largest_tensor(graph):
+    """The elements of the largest floating-point tensor an op of `graph`
+    (or of a function it calls: a loop's body) makes; static shapes, an
+    unknown dimension counted as 1, an unknown rank not counted (a
+    TensorArray's flow)."""
+    return max(
+        (
+            math.prod(_shape(t))
+            for op in operations(graph)
+            for t in op.outputs
+            if t.dtype.is_floating and t.shape.rank is not None
+        ),
+        default=0,
+    )
+
+
 # The gradient tape's ops, by the name scope TensorFlow gives them.
 _GRADIENT_SCOPE = "gradient_tape/"
 # Ops that read only their input's shape (known statically: nothing kept).

@@ -16,6 +16,7 @@ import keras
 from keras_mp._src import keras_internals
 from keras_mp._src.backends import common
 from keras_mp._src.backends.common import *  # noqa: F401,F403 (the portable hooks)
+from keras_mp._src.backends.torch_chunks import chunked_token_losses  # noqa: F401 (the hook)
 
 EXPORTS_SAVED_MODEL = False
 EAGER_STEP = True
@@ -250,6 +251,14 @@ def train_step_memory(model, data):
     from keras_mp._src.backends import torch_dispatch
 
     return torch_dispatch.memory_of_one_step(model, data)
+
+
+def train_step_largest(model, data):
+    """The elements of the largest floating-point tensor one train step
+    (`train_on_batch`) makes, after which every variable is as before."""
+    from keras_mp._src.backends import torch_dispatch
+
+    return torch_dispatch.largest_of_one_step(model, data)
 
 
 def train_step_matmuls(model, data):

@@ -135,6 +135,34 @@ def memory_of_one_step(model, data):
     return live["peak"], saved
 
 
+def largest_of_one_step(model, data):
+    """The elements of the largest floating-point tensor an op of one
+    `train_on_batch` of `data` makes (forward, backward, update)."""
+    import torch
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    largest = [0]
+
+    class Largest(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            out = func(*args, **(kwargs or {}))
+            for tensor in out if isinstance(out, (tuple, list)) else (out,):
+                if isinstance(tensor, torch.Tensor) and tensor.is_floating_point():
+                    largest[0] = max(largest[0], tensor.numel())
+            return out
+
+    keras_internals.build_for_training(model, data)
+    variables = _state(model)
+    before = [torch.clone(v.value.detach()) for v in variables]
+    try:
+        with Largest():
+            model.train_on_batch(*data)
+    finally:
+        for variable, value in zip(variables, before):
+            variable.assign(value)
+    return largest[0]
+
+
 def storage_of(tensor):
     """The address of a tensor's storage, or None (a tensor without one)."""
     try:

@@ -85,6 +85,14 @@ def graph_outputs(model):
     return outputs[0] if single else outputs  # as Keras's `unpack_singleton`
 
 
+def graph_inputs(model):
+    """A Sequential or functional model's input KerasTensors as its call
+    takes them, or None (a Sequential never built on an input)."""
+    if isinstance(model, keras.Sequential):
+        model = getattr(model, "_functional", None)
+    return getattr(model, "_inputs_struct", None)
+
+
 def made_by(tensor):
     """`(operation, output index, inputs, (args, kwargs))` of the call that
     made a KerasTensor, or None (a graph's input)."""

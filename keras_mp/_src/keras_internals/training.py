@@ -1,6 +1,8 @@
 """Keras's trainer from inside: the methods keras_mp extends, the compile
 config, and the state `fit` builds and passes its step."""
 
+import keras
+
 from keras_mp._src.keras_internals.required import _need
 
 # Keras's `Trainer`: `compile`, `compile_from_config`, `get_compile_config`
@@ -11,6 +13,10 @@ Trainer = _need("keras.src.trainers.trainer", "Trainer")
 print_msg = _need("keras.src.utils.io_utils", "print_msg")
 
 LossFunctionWrapper = _need("keras.src.losses.losses", "LossFunctionWrapper")
+
+# Keras's loss reduction (`Loss.__call__`'s): sample weights, the logits'
+# mask, and `reduction` (the chunked loss, `lm_loss.py`, reduces as Keras does).
+reduce_weighted_values = _need("keras.src.losses.loss", "reduce_weighted_values")
 
 # Optional: absent in a Keras that sums `add_loss` losses some other way,
 # and then left alone.
@@ -50,3 +56,45 @@ def jax_training_state(model):
         optimizer_variables=True,
         metrics_variables=True,
     )
+
+
+def is_keras_own_train_step(model):
+    """Whether `model`'s `train_step` is a Keras backend trainer's own (not
+    a model's override)."""
+    step = getattr(type(model), "train_step", None)
+    return getattr(step, "__module__", "").startswith("keras.src.backend.")
+
+
+def compile_loss(model):
+    """The `CompileLoss` `compile` made (its `call` computes the loss)."""
+    return model._compile_loss
+
+
+def compile_metrics(model):
+    """The `CompileMetrics` `compile` made, or None."""
+    return model._compile_metrics
+
+
+def compiled_metrics(model):
+    """`[(metric, weighted)]`: each metric `compile` was given (built),
+    whether from `weighted_metrics`."""
+    found = []
+    compiled = model._compile_metrics
+    if compiled is None or not compiled.built:
+        return found
+    for weighted, lists in (
+        (False, compiled._flat_metrics),
+        (True, compiled._flat_weighted_metrics),
+    ):
+        for metrics in lists or ():
+            found += [(m, weighted) for m in getattr(metrics, "metrics", None) or ()]
+    return found
+
+
+def single_loss_weight(compiled):
+    """The `loss_weights` of a one-output model's `compile`, or None."""
+    weights = compiled._user_loss_weights
+    if weights is None:
+        return None
+    flat = keras.tree.flatten(weights)
+    return flat[0] if len(flat) == 1 else None

@@ -18,6 +18,7 @@ from keras_mp._src import backends
 from keras_mp._src import keras_internals
 from keras_mp._src.model import atomic_save
 from keras_mp._src.model import config_precision
+from keras_mp._src.model import lm_step
 from keras_mp._src.model import model_hooks
 from keras_mp._src.model import recompiled
 from keras_mp._src.model import saved_precision
@@ -53,7 +54,11 @@ def compile(model, *args, **kwargs):
             `amp_allow`/`amp_deny`: `apply_amp`'s `allow`/`deny` (None:
             those of the model's latest `apply_amp`, if any; a string must
             name a layer of the model), and
-            `shard_optimizer_state` (JAX under `keras.distribution`: ZeRO-1).
+            `shard_optimizer_state` (JAX under `keras.distribution`: ZeRO-1),
+            `chunked_loss` (None: a language model's loss chunk by chunk
+            where its logits are large, `rules.LOSS_RULES`; True: wherever
+            the model allows it; False: the plain loss; an int: on, that
+            many tokens a chunk).
     """
     if not isinstance(model, keras.Model):
         raise TypeError(
@@ -76,6 +81,7 @@ def _compile_with_amp(
     amp_deny=None,
     shard_optimizer_state=False,
     float8_recipe=None,
+    chunked_loss=None,
     **kwargs,
 ):
     if amp_level is None:
@@ -84,6 +90,7 @@ def _compile_with_amp(
         if any(given[name] is not default for name, default in _AMP_DEFAULTS.items()):
             raise ValueError(amp_settings.needs_level_message(**given))
         saved_precision.restore_saved(self)
+        lm_step.clear_setting(self)
         if policies.is_amp_model(self):
             args, kwargs = (), _scaled_as_keras_would(self, args, kwargs)
         result = _keras_compile(self, *args, **kwargs)
@@ -116,6 +123,7 @@ def _compile_with_amp(
     )
     # The loss tells the head rule what the outputs hold (`output_losses.py`).
     amp = dataclasses.replace(amp, loss=arguments.get("loss"))
+    lm_step.set_setting(self, lm_step.check_setting(chunked_loss), arguments.get("loss"))
     given = keras.optimizers.get(arguments["optimizer"])
     before = recompiled.kept(given)  # a built optimizer, before any recast
     policies.apply(self, amp)
@@ -148,6 +156,7 @@ def _compile_with_amp(
         keep_batchnorm_fp32=keep_batchnorm_fp32,
         master_weights=amp.master_weights,
         float8_recipe=amp.float8.get_config() if amp.float8 is not None else None,
+        chunked_loss=chunked_loss,
     )
     guard_train_step(self)
     return result

@@ -34,6 +34,7 @@ from keras import ops
 from keras_mp._src import backends
 from keras_mp._src import keras_internals
 from keras_mp._src.model import assigned_half
+from keras_mp._src.model import lm_step
 from keras_mp._src.model.callbacks import EpochTelemetry
 from keras_mp._src.model.callbacks import ProgbarLogger
 from keras_mp._src.model.callbacks import SkippedStepsWarning
@@ -82,6 +83,11 @@ def guard_train_step(model, guard=True):
             model.__dict__.pop(_ORIGINAL, None)
             model.__dict__.pop("fit", None)
             model.__dict__.pop("train_on_batch", None)
+            model.train_function = None
+        if lm_step.SETTING in model.__dict__:
+            # A level without a loss scale (O0): only the loss's chunks.
+            object.__setattr__(model, _ORIGINAL, original)
+            object.__setattr__(model, "train_step", lm_step.chunked_only(original, model))
             model.train_function = None
         return
     guard = guard and any(o.config.checks_finite for _, o in optimizers)
@@ -233,7 +239,10 @@ def _stateful_train_step(original, model, optimizers, guard):
                 skipped_before = [ops.copy(o.skipped_steps.value) for _, o in optimizers]
         with _StepFlags(optimizers) as flags, assigned_half.Noting(model, optimizers):
             try:
-                with _taking_float32_grads(model, optimizers, keras_own):
+                with (
+                    _taking_float32_grads(model, optimizers, keras_own),
+                    lm_step.chunking(model, data),
+                ):
                     logs = original(data)
             except Exception as error:
                 if not backends.current.EAGER_STEP or not fallback.may_come_from_half(error):
@@ -243,7 +252,10 @@ def _stateful_train_step(original, model, optimizers, guard):
                 if guard:  # the failed try updated the metrics already
                     for variable, old in state + metrics:
                         variable.assign(old)
-                with _taking_float32_grads(model, optimizers, keras_own):
+                with (
+                    _taking_float32_grads(model, optimizers, keras_own),
+                    lm_step.chunking(model, data),
+                ):
                     logs = original(data)
         if guard and on_host:
             if any(o._host_skips != before for (_, o), before in zip(optimizers, skipped_before)):
@@ -362,7 +374,11 @@ def _stateless_train_step(original, model, optimizers, guard):
 
     def train_step(state, data):
         old_non_trainable = state[1]
-        with _StepFlags(optimizers), _OnlyTheModelsOptimizer(optimizers):
+        with (
+            _StepFlags(optimizers),
+            _OnlyTheModelsOptimizer(optimizers),
+            lm_step.chunking(model, data),
+        ):
             logs, new_state = original(state, data)
         assigned_half.check_returned(model, old_non_trainable, new_state[1])
         if optimizer is None:

@@ -287,7 +287,8 @@ def needs_level_message(**given):
     """The error of amp keywords given without `amp_level`."""
     return (
         "`amp_dtype`, `loss_scale`, `keep_batchnorm_fp32`, `master_weights`, "
-        "`amp_allow`, `amp_deny`, `shard_optimizer_state` and `float8_recipe` need `amp_level` "
+        "`amp_allow`, `amp_deny`, `shard_optimizer_state`, `float8_recipe` and `chunked_loss` "
+        "need `amp_level` "
         f"(one of {', '.join(LEVELS)} or 'auto'). Received: amp_level=None, "
         + ", ".join(f"{k}={v!r}" for k, v in given.items())
     )

@@ -22,6 +22,7 @@ import dataclasses
 import keras
 
 from keras_mp._src.precision import float8
+from keras_mp._src.precision import lm_rule
 from keras_mp._src.precision import output_losses
 from keras_mp._src.precision.conditions import Place  # noqa: F401
 from keras_mp._src.precision.conditions import attention_needs_float32_here
@@ -240,6 +241,52 @@ RULES += FLOAT8_RULES + (
     Rule((keep_batchnorm_fp32,), FLOAT32, "{level}: keep_batchnorm_fp32=True"),
     Rule((), HALF, "{level}: half everywhere"),
 )
+
+
+# A language model's loss (`lm_loss.py`), decided when `fit`'s step is
+# traced (`lm_rule.LossFacts`): chunk by chunk, or the plain loss.
+CHUNKED = "chunked"
+PLAIN = "plain"
+_OFF = "chunked_loss=False for the plain loss"
+LOSS_RULES = (
+    Rule((lm_rule.turned_off,), PLAIN, "plain loss: chunked_loss=False"),
+    Rule(
+        (lm_rule.not_sparse_from_logits,),
+        PLAIN,
+        "plain loss: {loss} is not SparseCategoricalCrossentropy(from_logits=True)",
+    ),
+    Rule((lm_rule.no_head,), PLAIN, "plain loss: {why}"),
+    Rule(
+        (lm_rule.metric_reads_logits,),
+        PLAIN,
+        "plain loss: metric `{metric}` reads the logits "
+        "(SparseCategoricalAccuracy is computed chunk by chunk, no other)",
+    ),
+    Rule(
+        (lm_rule.by_rule, lm_rule.own_train_step),
+        PLAIN,
+        "plain loss: your train_step may read the logits "
+        "(chunked_loss=True chunks its compute_loss)",
+    ),
+    Rule(
+        (lm_rule.by_rule, lm_rule.small_logits),
+        PLAIN,
+        "plain loss: logits of {tokens} tokens x {vocabulary} under {threshold} elements",
+    ),
+    Rule(
+        (),
+        CHUNKED,
+        "float32 loss chunk by chunk through `{head}` ({chunk} tokens a chunk, "
+        "{tokens} tokens x {vocabulary}): never the whole logits; " + _OFF,
+    ),
+)
+
+
+def decide_loss(facts):
+    """`(chunked, reason)` for a model's loss: the first row of
+    `LOSS_RULES` that holds for its `lm_rule.LossFacts`."""
+    rule = first_rule(facts.found.layer, facts, LOSS_RULES)
+    return rule.policy == CHUNKED, rule.reason.format(**facts.reason_fields())
 
 
 def decide(layer, place, rules=RULES):

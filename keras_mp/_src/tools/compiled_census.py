@@ -103,3 +103,12 @@ def memory(model, x, y):
     """
     held, saved = backends.current.train_step_memory(model, (x, y))
     return MemoryCensus(held, saved)
+
+
+def largest_tensor(model, x, y):
+    """The elements of the largest floating-point tensor in `model`'s train
+    step on the batch `(x, y)`: JAX's lowered HLO and TensorFlow's traced
+    graph (a loop's body included), PyTorch's tensors of one step (run, and
+    every variable put back). A language model whose loss is chunked holds
+    no tensor of its logits' size (`lm_loss.py`)."""
+    return backends.current.train_step_largest(model, (x, y))

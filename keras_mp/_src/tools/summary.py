@@ -5,6 +5,7 @@ import dataclasses
 import keras
 
 from keras_mp._src import keras_internals
+from keras_mp._src.model import lm_step
 from keras_mp._src.model import wrapping
 from keras_mp._src.precision import fallback
 from keras_mp._src.precision import float8
@@ -20,9 +21,11 @@ from keras_mp._src.tools import table
 class PrecisionSummary(table.Report):
     """`precision_summary`'s table (`.text`, or print it) and its `.rows`;
     `.optimizers`: one dict per optimizer the model holds (`optimizer`,
-    `class`, `settings`)."""
+    `class`, `settings`); `.loss`: how `fit`'s step computes the loss of a
+    model compiled at a level (chunk by chunk or not, and why), or None."""
 
     optimizers: list = dataclasses.field(default_factory=list)
+    loss: str = None
 
 
 def precision_summary(model, print_fn=None):
@@ -86,10 +89,27 @@ def precision_summary(model, print_fn=None):
             [[o["optimizer"], o["class"], o["settings"]] for o in optimizers],
             width=None,
         )
-    summary = PrecisionSummary("\n".join(lines), rows, optimizers)
+    loss = _loss(model)
+    if loss:
+        lines += ["", f"Loss: {loss}"]
+    summary = PrecisionSummary("\n".join(lines), rows, optimizers, loss)
     if print_fn is not None:
         print_fn(summary.text)
     return summary
+
+
+def _loss(model):
+    """The loss rule's reason (`rules.LOSS_RULES`): the latest step's, or
+    before any step what the model's shape says (`lm_step.expected`)."""
+    if not isinstance(model, keras.Model):
+        return None
+    decided = lm_step.decision(model)
+    if decided is not None:
+        return decided[1]
+    expected = lm_step.expected(model)
+    if expected is None:
+        return None
+    return expected[1]
 
 
 def _path(layer):
