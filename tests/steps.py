@@ -34,3 +34,23 @@ def tensor(values, dtype="float32"):
 def snapshot(optimizer, variables):
     """Every variable's value and the optimizer's, copied."""
     return [numpy(v).copy() for v in list(variables) + list(optimizer.variables)]
+
+
+def compiled(fn, mode):
+    """`fn` as `fit` runs it: eager, or traced by the backend's compiler."""
+    if mode == "eager":
+        return fn
+    if BACKEND == "jax":
+        import jax
+
+        return jax.jit(fn)
+    import tensorflow as tf
+
+    return tf.function(fn, jit_compile=(mode == "xla"))
+
+
+COMPILE_MODES = {
+    "tensorflow": ["eager", "graph", "xla"],
+    "jax": ["eager", "jit"],
+    "torch": ["eager"],
+}[BACKEND]

@@ -21,79 +21,26 @@ import pytest
 
 import keras_mp
 from keras_mp.callbacks import OverflowGuard
-from tests.reference import ReferenceLossScale
+from tests.model.logged_runs import BATCH
+from tests.model.logged_runs import STEPS
+from tests.model.logged_runs import BatchLogs
+from tests.model.logged_runs import data
+from tests.model.logged_runs import model_at
+from tests.model.logged_runs import read_value
+from tests.model.logged_runs import reference_trace
 
 BACKEND = keras.backend.backend()
-BATCH = 8
-STEPS = 6
-NAN_STEPS = (1, 4)
-
-
-def _value(x):
-    return np.asarray(keras.ops.convert_to_numpy(x)).item()
-
-
-def _data(nan_steps=NAN_STEPS):
-    rng = np.random.default_rng(0)
-    x = rng.normal(size=(STEPS * BATCH, 4)).astype("float32")
-    y = (x[:, :1] - x[:, 1:2]).astype("float32")
-    for step in nan_steps:
-        x[step * BATCH + 1, 2] = np.nan
-    return x, y
-
-
-def _model(optimizer=None, amp_level="O2", kernel=None):
-    keras.utils.set_random_seed(0)
-    initializer = "glorot_uniform" if kernel is None else keras.initializers.Constant(kernel)
-    model = keras.Sequential(
-        [
-            keras.Input((4,)),
-            keras.layers.Dense(8, kernel_initializer=initializer, name="hidden"),
-            keras.layers.Dense(1, kernel_initializer=initializer, name="out"),
-        ]
-    )
-    optimizer = optimizer or keras_mp.LossScaleOptimizer(
-        keras.optimizers.SGD(1e-2), initial_scale=2.0**4, dynamic_growth_steps=2
-    )
-    kwargs = {"amp_level": amp_level} if amp_level else {}
-    model.compile(optimizer=optimizer, loss="mse", **kwargs)
-    return model
-
-
-class _BatchLogs(keras.callbacks.Callback):
-    def __init__(self):
-        super().__init__()
-        self.batches = []
-        self.epochs = []
-
-    def on_train_batch_end(self, batch, logs=None):
-        self.batches.append((_value(logs["loss_scale"]), _value(logs["skipped_steps"])))
-
-    def on_epoch_end(self, epoch, logs=None):
-        optimizer = self.model.optimizer
-        self.epochs.append((_value(optimizer.loss_scale), _value(optimizer.skipped_steps)))
-
-
-def _reference_trace(epochs):
-    reference = ReferenceLossScale(initial_scale=2.0**4, dynamic_growth_steps=2)
-    trace = []
-    for _ in range(epochs):
-        for step in range(STEPS):
-            bad = [np.array([np.nan])] if step in NAN_STEPS else [np.array([1.0])]
-            reference.step(bad)
-            trace.append((float(reference.scale), reference.skipped_steps))
-    return trace
 
 
 @pytest.mark.parametrize("amp_level", ["O2", None])
 def test_logs_follow_the_state_machine_step_by_step(amp_level):
-    model = _model(amp_level=amp_level)
-    recorder = _BatchLogs()
-    x, y = _data()
+    model = model_at(amp_level=amp_level)
+    recorder = BatchLogs()
+    x, y = data()
     history = model.fit(
         x, y, batch_size=BATCH, epochs=2, shuffle=False, verbose=0, callbacks=[recorder]
     )
-    expected = _reference_trace(epochs=2)
+    expected = reference_trace(epochs=2)
     assert recorder.batches == expected
     # History and the epoch-end logs hold the optimizer's own state.
     assert history.history["loss_scale"] == [scale for scale, _ in recorder.epochs]
@@ -106,84 +53,18 @@ def test_logs_follow_the_state_machine_step_by_step(amp_level):
 
 # The step without the values in its logs is each backend's own; the None
 # cell's metrics (unguarded) are the cell of `test_logs_follow_...` above.
-@pytest.mark.parametrize("amp_level", ["O2", pytest.param(None, marks=pytest.mark.one_backend)])
-def test_epoch_logs_without_batch_callbacks_hold_the_optimizer_state(amp_level):
-    """`verbose=0` and no batch hooks: the step does not return the values;
-    each epoch's logs still carry them, read from the optimizer."""
-    model = _model(amp_level=amp_level)
-    x, y = _data()
-    history = model.fit(x, y, batch_size=BATCH, epochs=2, shuffle=False, verbose=0)
-    expected = _reference_trace(epochs=2)
-    assert history.history["loss_scale"] == [expected[STEPS - 1][0], expected[-1][0]]
-    assert history.history["skipped_steps"] == [expected[STEPS - 1][1], expected[-1][1]]
-    assert np.all(np.isfinite(history.history["loss"])) == (amp_level is not None)
-    # Then a batch callback: the values are in each step's logs again.
-    recorder = _BatchLogs()
-    model.fit(x, y, batch_size=BATCH, epochs=1, shuffle=False, verbose=0, callbacks=[recorder])
-    assert len(recorder.batches) == STEPS
-    assert recorder.batches[-1] == (_value(model.optimizer.loss_scale), 6)
-    # `train_on_batch` after a `fit(verbose=0)`: its logs carry them too.
-    model.fit(x, y, batch_size=BATCH, epochs=1, verbose=0)
-    logs = model.train_on_batch(x[:BATCH], y[:BATCH], return_dict=True)
-    assert logs["skipped_steps"] == 8 and logs["loss_scale"] == _value(model.optimizer.loss_scale)
-
-
-@pytest.mark.perf
-@pytest.mark.skipif(BACKEND != "torch", reason="counts PyTorch host reads")
-def test_fit_reads_no_telemetry_per_step_unless_asked(monkeypatch):
-    """The telemetry costs a step nothing: `fit(verbose=0)` brings as many
-    values to the host as Keras's own mixed policy with its built-in
-    LossScaleOptimizer; with a batch hook, two more per step."""
-    import torch
-
-    x, y = _data(nan_steps=())
-    reads = []
-    for name in ("__array__", "numpy", "item", "__bool__", "__float__", "__int__", "tolist"):
-        original = getattr(torch.Tensor, name)
-
-        def counting(self, *args, _original=original, _name=name, **kwargs):
-            reads.append(_name)
-            return _original(self, *args, **kwargs)
-
-        monkeypatch.setattr(torch.Tensor, name, counting)
-
-    def reads_of_one_epoch(model, callbacks=()):
-        model.fit(x, y, batch_size=BATCH, epochs=1, verbose=0, callbacks=list(callbacks))
-        reads.clear()
-        model.fit(x, y, batch_size=BATCH, epochs=1, verbose=0, callbacks=list(callbacks))
-        return len(reads)
-
-    keras_mp_model = _model()
-    keras.config.set_dtype_policy("mixed_float16")
-    try:
-        keras_model = _model(
-            optimizer=keras.optimizers.LossScaleOptimizer(keras.optimizers.SGD(1e-2)),
-            amp_level=None,
-        )
-    finally:
-        keras.config.set_dtype_policy("float32")
-    baseline = reads_of_one_epoch(keras_model)
-    assert reads_of_one_epoch(keras_mp_model) <= baseline
-
-    def hook():
-        return keras.callbacks.LambdaCallback(on_train_batch_end=lambda batch, logs: None)
-
-    asked = reads_of_one_epoch(keras_mp_model, [hook()])
-    assert asked >= reads_of_one_epoch(keras_model, [hook()]) + 2 * STEPS
-
-
 # The live bar (`verbose=1`) has the values in each step's logs, on each
 # backend; the bar's formatting for `verbose=2` is the same code.
 @pytest.mark.parametrize("verbose", [1, pytest.param(2, marks=pytest.mark.one_backend)])
 def test_progress_bar_shows_the_loss_scale_and_the_count_as_whole_numbers(capsys, verbose):
-    model = _model()
-    x, y = _data()
+    model = model_at()
+    x, y = data()
     model.fit(x, y, batch_size=BATCH, epochs=1, shuffle=False, verbose=verbose)
     final = capsys.readouterr().out.strip().split("\r")[-1]
     # After the epoch (reference: 16, 8 at the NaN step, 16, 8 again, then one
     # clean step).
     assert re.search(r"loss_scale: 8 - skipped_steps: 2\b", final), final
-    x, y = _data(nan_steps=())
+    x, y = data(nan_steps=())
     model.fit(x, y, batch_size=BATCH, epochs=1, verbose=verbose)
     final = capsys.readouterr().out.strip().split("\r")[-1]
     assert re.search(r"skipped_steps: 2\b", final) and "e+00" not in final, final
@@ -191,8 +72,8 @@ def test_progress_bar_shows_the_loss_scale_and_the_count_as_whole_numbers(capsys
 
 @pytest.mark.one_backend
 def test_a_progress_bar_of_ones_own_is_kept(capsys):
-    model = _model()
-    x, y = _data()
+    model = model_at()
+    x, y = data()
     model.fit(
         x,
         y,
@@ -209,8 +90,8 @@ def test_a_progress_bar_of_ones_own_is_kept(capsys):
 def test_tensorboard_gets_the_scalars(tmp_path):
     import tensorflow as tf
 
-    model = _model()
-    x, y = _data()
+    model = model_at()
+    x, y = data()
     history = model.fit(
         x,
         y,
@@ -232,8 +113,8 @@ def test_tensorboard_gets_the_scalars(tmp_path):
 
 @pytest.mark.one_backend
 def test_plain_keras_optimizer_has_no_telemetry():
-    model = _model(optimizer=keras.optimizers.SGD(1e-2), amp_level=None)
-    x, y = _data(nan_steps=())
+    model = model_at(optimizer=keras.optimizers.SGD(1e-2), amp_level=None)
+    x, y = data(nan_steps=())
     history = model.fit(x, y, batch_size=BATCH, epochs=1, verbose=0)
     assert set(history.history) == {"loss"}
     assert "train_step" not in model.__dict__
@@ -320,12 +201,12 @@ def test_a_mostly_skipped_run_says_so_while_it_runs():
 def test_guard_stops_a_diverged_model():
     # Weights of 300 in float16: the hidden activations pass float16's 65504,
     # every step overflows, whatever the scale.
-    model = _model(
+    model = model_at(
         optimizer=keras_mp.LossScaleOptimizer(keras.optimizers.SGD(1e-2), min_scale=2.0**-20),
         kernel=300.0,
     )
     guard = OverflowGuard(patience=5, verbose=0)
-    x, y = _data(nan_steps=())
+    x, y = data(nan_steps=())
     x *= 10
     history = model.fit(
         x, y, batch_size=BATCH, epochs=10, shuffle=False, verbose=0, callbacks=[guard]
@@ -336,19 +217,19 @@ def test_guard_stops_a_diverged_model():
     assert "5 steps in a row were skipped" in guard.message
     assert "loss scale is 1024" in guard.message  # 2**15 halved 5 times
     assert "keras_mp.analyze" in guard.message and "bfloat16" in guard.message
-    assert _value(model.optimizer.iterations) == 0  # nothing was applied
+    assert read_value(model.optimizer.iterations) == 0  # nothing was applied
 
 
 @pytest.mark.one_backend
 def test_guard_stops_when_the_scale_is_pinned_at_min_scale(capsys):
-    model = _model(
+    model = model_at(
         optimizer=keras_mp.LossScaleOptimizer(
             keras.optimizers.SGD(1e-2), initial_scale=4.0, min_scale=1.0
         ),
         kernel=300.0,
     )
     guard = OverflowGuard(patience=100)
-    x, y = _data(nan_steps=())
+    x, y = data(nan_steps=())
     x *= 10
     model.fit(x, y, batch_size=BATCH, epochs=3, shuffle=False, verbose=0, callbacks=[guard])
     # Scales 4 -> 2 -> 1 (steps 0 and 1), step 2 overflows at 1: pinned.
@@ -362,9 +243,9 @@ def test_guard_stops_when_the_scale_is_pinned_at_min_scale(capsys):
 
 @pytest.mark.one_backend
 def test_guard_lets_a_healthy_run_with_occasional_skips_finish():
-    model = _model()
+    model = model_at()
     guard = OverflowGuard(patience=2)
-    x, y = _data()  # two isolated NaN batches per epoch
+    x, y = data()  # two isolated NaN batches per epoch
     history = model.fit(
         x, y, batch_size=BATCH, epochs=3, shuffle=False, verbose=0, callbacks=[guard]
     )
@@ -375,9 +256,9 @@ def test_guard_lets_a_healthy_run_with_occasional_skips_finish():
 
 @pytest.mark.one_backend
 def test_guard_counts_a_streak_across_epochs():
-    model = _model()
+    model = model_at()
     guard = OverflowGuard(patience=2, verbose=0)
-    x, y = _data(nan_steps=(0, 5))  # the last step of an epoch, then the first
+    x, y = data(nan_steps=(0, 5))  # the last step of an epoch, then the first
     model.fit(x, y, batch_size=BATCH, epochs=3, shuffle=False, verbose=0, callbacks=[guard])
     assert guard.stopped_step == STEPS  # first step of the second epoch
 
@@ -400,14 +281,14 @@ def test_guard_rejects_bad_arguments(kwargs, error, fragment):
 
 @pytest.mark.one_backend
 def test_guard_needs_keras_mp_optimizer():
-    model = _model(optimizer=keras.optimizers.SGD(), amp_level=None)
-    x, y = _data(nan_steps=())
+    model = model_at(optimizer=keras.optimizers.SGD(), amp_level=None)
+    x, y = data(nan_steps=())
     with pytest.raises(TypeError, match="keras_mp.LossScaleOptimizer.*Received: optimizer="):
         model.fit(x, y, verbose=0, callbacks=[OverflowGuard()])
     unchecked = keras_mp.LossScaleOptimizer(
         keras.optimizers.SGD(), dynamic=False, initial_scale=8.0, skip_on_overflow=False
     )
-    model = _model(optimizer=unchecked, amp_level=None)
+    model = model_at(optimizer=unchecked, amp_level=None)
     with pytest.raises(ValueError, match="skip_on_overflow=False"):
         model.fit(x, y, verbose=0, callbacks=[OverflowGuard()])
 

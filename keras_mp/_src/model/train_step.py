@@ -6,12 +6,8 @@ brought to the host):
 
 - Telemetry: `fit`'s logs carry the optimizer's `loss_scale` and
   `skipped_steps`, so they appear in the progress bar, in `History` and in
-  `keras.callbacks.TensorBoard`. Each value in a step's logs is brought to
-  the host after every step, so the step returns them only where something
-  reads each batch's logs (the live progress bar, `verbose=1`, or a callback
-  with batch hooks, such as `OverflowGuard`); otherwise `fit` adds them to
-  each epoch's logs, read from the optimizer's variables once an epoch.
-  Outside `fit` (`train_on_batch`) the step returns them.
+  `keras.callbacks.TensorBoard`; when the step returns them is
+  `step_logs.py`'s.
 - The BatchNorm guard (under `compile(amp_level=...)`): a batch with a NaN in
   it also writes NaN into BatchNorm's moving mean and variance during the
   forward pass, before any gradient exists. The non-trainable variables are
@@ -26,7 +22,6 @@ brought to the host):
 
 import contextlib
 import functools
-import inspect
 
 import keras
 from keras import ops
@@ -35,27 +30,18 @@ from keras_mp._src import backends
 from keras_mp._src import keras_internals
 from keras_mp._src.model import assigned_half
 from keras_mp._src.model import lm_step
-from keras_mp._src.model.callbacks import EpochTelemetry
-from keras_mp._src.model.callbacks import ProgbarLogger
-from keras_mp._src.model.callbacks import SkippedStepsWarning
-from keras_mp._src.model.callbacks import telemetry_keys
+from keras_mp._src.model import step_logs
 from keras_mp._src.model.wrapping import loss_scale_optimizers
 from keras_mp._src.optimizer.master_weights import float32_grads_of
 from keras_mp._src.precision import fallback
 
 _ORIGINAL = "_keras_mp_original_train_step"
-_BATCH_TELEMETRY = "_keras_mp_batch_telemetry"
 _GUARD = "_keras_mp_guard"
 
 
-def _batch_telemetry(model):
-    """Whether the traced step puts the telemetry in its logs (see above)."""
-    return model.__dict__.get(_BATCH_TELEMETRY, True)
-
-
 def _set_batch_telemetry(model, on):
-    if _batch_telemetry(model) != on:
-        object.__setattr__(model, _BATCH_TELEMETRY, on)
+    if step_logs.batch_telemetry(model) != on:
+        object.__setattr__(model, step_logs.BATCH_TELEMETRY, on)
         # A new step function, traced again with or without them (JAX
         # caches a trace per function object).
         guard_train_step(model, guard=model.__dict__[_GUARD])
@@ -100,84 +86,15 @@ def guard_train_step(model, guard=True):
     object.__setattr__(model, _GUARD, guard)
     object.__setattr__(model, "train_step", train_step)
     if "fit" not in model.__dict__:
-        object.__setattr__(model, "fit", _fit_with_telemetry(model, model.fit))
+        retrace = functools.partial(_set_batch_telemetry, model)
+        object.__setattr__(model, "fit", step_logs.fit_with_telemetry(model.fit, retrace))
         object.__setattr__(
-            model, "train_on_batch", _train_on_batch_with_telemetry(model, model.train_on_batch)
+            model,
+            "train_on_batch",
+            step_logs.train_on_batch_with_telemetry(model.train_on_batch, retrace),
         )
     # Keras caches the compiled step; make it trace the wrapped one.
     model.train_function = None
-
-
-def _fit_with_telemetry(model, fit):
-    """`fit`, with the telemetry in its logs at no cost per step.
-
-    - The step returns `loss_scale` and `skipped_steps` only if a callback
-      reads each batch's logs (see the module docstring); else an
-      `EpochTelemetry` callback, first in the list, adds them to each
-      epoch's logs.
-    - Keras's bar prints every log value as a float (`0.0000e+00`); unless
-      the caller passes a `ProgbarLogger` of their own, keras_mp's (the same
-      bar, counts as integers) takes its place.
-    - A run whose steps are mostly skipped says so while it runs
-      (`SkippedStepsWarning`, from the values the logs carry).
-
-    Nothing else about `fit` changes.
-    """
-    signature = inspect.signature(fit)
-
-    @functools.wraps(fit)
-    def fit_with_telemetry(*args, **kwargs):
-        try:
-            bound = signature.bind(*args, **kwargs)
-        except TypeError:
-            return fit(*args, **kwargs)  # Keras's own error
-        callbacks = bound.arguments.get("callbacks")
-        verbose = bound.arguments.get("verbose", "auto")
-        if isinstance(callbacks, keras.callbacks.CallbackList):
-            _set_batch_telemetry(model, True)  # the caller's own list, as it is
-            return fit(*bound.args, **bound.kwargs)
-        callbacks = list(keras.tree.flatten(callbacks)) if callbacks else []
-        own_bar = any(isinstance(c, keras.callbacks.ProgbarLogger) for c in callbacks)
-        if verbose != 0 and not own_bar:
-            callbacks.append(ProgbarLogger())
-        live_bar = verbose in (1, "auto")  # Keras's "auto" is 1 in `fit`
-        _set_batch_telemetry(model, live_bar or any(_reads_batch_logs(c) for c in callbacks))
-        bound.arguments["callbacks"] = [EpochTelemetry(), SkippedStepsWarning()] + callbacks
-        return fit(*bound.args, **bound.kwargs)
-
-    return fit_with_telemetry
-
-
-def _train_on_batch_with_telemetry(model, train_on_batch):
-    """`train_on_batch`, whose logs always carry the telemetry (its caller
-    reads them), also after a `fit` that traced the step without it."""
-
-    @functools.wraps(train_on_batch)
-    def train_on_batch_with_telemetry(*args, **kwargs):
-        _set_batch_telemetry(model, True)
-        return train_on_batch(*args, **kwargs)
-
-    return train_on_batch_with_telemetry
-
-
-def _reads_batch_logs(callback):
-    """Whether a callback looks at each training batch's logs."""
-    if isinstance(callback, keras.callbacks.ProgbarLogger):
-        return False  # it follows `fit`'s `verbose`
-    return not all(
-        getattr(getattr(callback, hook), "_is_default", False)
-        for hook in ("on_train_batch_end", "on_batch_end")
-    )
-
-
-def _with_telemetry(logs, values):
-    """`logs` with `values` (`{label: (loss_scale, skipped_steps)}`) added."""
-    if not isinstance(logs, dict):
-        return logs  # a custom train_step's own return value: left as it is
-    logs = dict(logs)
-    for label, pair in values.items():
-        logs.update(zip(telemetry_keys(label), pair))
-    return logs
 
 
 class _StepFlags:
@@ -275,9 +192,9 @@ def _stateful_train_step(original, model, optimizers, guard):
             for restore, pairs in ((skipped, state), (bad_metrics, metrics)):
                 for variable, old in pairs:
                     variable.assign(ops.where(restore, old, variable.value))
-        if not _batch_telemetry(model):
+        if not step_logs.batch_telemetry(model):
             return logs
-        return _with_telemetry(
+        return step_logs.with_telemetry(
             logs,
             {
                 label: (
@@ -394,9 +311,9 @@ def _stateless_train_step(original, model, optimizers, guard):
             ]
             bad_metrics = _bad_metrics(skipped, metrics)
             metrics = [ops.where(bad_metrics, old, new) for old, new in zip(state[3], metrics)]
-        if _batch_telemetry(model):
+        if step_logs.batch_telemetry(model):
             values = {"optimizer": (optimizer_values[scale_at], optimizer_values[skipped_at])}
-            logs = _with_telemetry(logs, values)
+            logs = step_logs.with_telemetry(logs, values)
         return logs, (trainable, non_trainable, optimizer_values, metrics)
 
     return train_step
