@@ -174,11 +174,18 @@ def apply(model, amp, set_before=None):
         float8.warn_once_where_nothing_computes_fp8()
     mark_amp_model(model)
     set_layer_lists(model, amp.allow, amp.deny)
-    if heads.deferred and not model.built:
-        # Its outputs are known once it is built (`compile`, then `fit`).
+    if (heads.deferred or _sizes_unknown(layers, amp)) and not model.built:
+        # Its outputs, and its layers' GEMM sizes (FP8's size rule), are
+        # known once it is built (`compile`, then `fit`).
         set_now = {id(layer): (layer.dtype_policy.name, rule_of(layer)) for layer in layers}
         output_heads.when_built(model, lambda: apply(model, amp, set_now))
     return model
+
+
+def _sizes_unknown(layers, amp):
+    return amp.float8 is not None and any(
+        float8.has_float8_path(layer) and float8.size_unknown(layer, amp.float8) for layer in layers
+    )
 
 
 def _set_by_hand(layer, set_before):
