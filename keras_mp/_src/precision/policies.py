@@ -22,6 +22,7 @@ from keras_mp._src.precision import rules
 from keras_mp._src.precision.layer_kinds import ALLOW_LIST
 from keras_mp._src.precision.layer_kinds import EXACT_PREPROCESSING
 from keras_mp._src.precision.layer_kinds import matches
+from keras_mp._src.precision.layer_policy import note_float8_recipe
 from keras_mp._src.precision.layer_policy import note_rule
 from keras_mp._src.precision.layer_policy import rule_of
 from keras_mp._src.precision.layer_policy import set_policies
@@ -173,6 +174,7 @@ def apply(model, amp, set_before=None):
     if amp.float8 is not None:
         float8.warn_once_where_nothing_computes_fp8()
     mark_amp_model(model)
+    note_float8_recipe(model, amp.float8)
     set_layer_lists(model, amp.allow, amp.deny)
     if (heads.deferred or _sizes_unknown(layers, amp)) and not model.built:
         # Its outputs, and its layers' GEMM sizes (FP8's size rule), are
