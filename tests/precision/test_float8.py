@@ -236,6 +236,20 @@ def test_an_unbuilt_layers_size_is_decided_when_it_is_built():
         assert all(h.max() > 0 for h in histories), histories
 
 
+@pytest.mark.one_backend
+def test_lora_on_a_layer_in_fp8_is_refused_at_compile_by_name():
+    """`enable_lora` on a layer already in FP8 failed at the first step of
+    `fit` with Keras's "`_float8_call` doesn't support LoRA"; `compile`
+    now refuses it, naming the layer and the order that works."""
+    model = _mlp()
+    compiled = dict(optimizer="sgd", loss=_loss(), amp_level="O2", amp_dtype="float8")
+    model.compile(**compiled, float8_recipe=ANY_SIZE)
+    assert "middle" in _fp8_layers(model)
+    model.get_layer("middle").enable_lora(2)
+    with pytest.raises(ValueError, match=r"Layer 'middle' computes in FP8 .*`enable_lora` before"):
+        model.compile(**compiled, float8_recipe=ANY_SIZE)
+
+
 # -- the recipe and bad input ----------------------------------------------------
 
 

@@ -154,6 +154,24 @@ def has_float8_path(layer):
     return type(layer) in FLOAT8_CLASSES and not getattr(layer, "lora_enabled", False)
 
 
+def refuse_lora(layers):
+    """Refuses a layer in FP8 with LoRA enabled (`enable_lora` after FP8
+    training): Keras's float8 call has no LoRA path, and Keras cannot undo
+    the layer's quantization, so its `fit` would fail at the first step."""
+    for layer in layers:
+        if getattr(layer, "lora_enabled", False) and is_float8(layer):
+            raise ValueError(
+                f"Layer {layer.name!r} computes in FP8 (policy "
+                f"{layer.dtype_policy.name!r}) and has LoRA enabled: Keras's "
+                "float8 layers have no LoRA path, and a layer's quantization "
+                "cannot be undone. Build the model again and call "
+                "`enable_lora` before `compile(..., amp_dtype='float8')` (a "
+                "LoRA layer computes in bfloat16 there), or train this one "
+                f"without LoRA. Received: layer {layer.name!r} with "
+                f"lora_rank={layer.lora_rank}"
+            )
+
+
 def gemm_dims(layer):
     """The dimensions of the layer's GEMM that FP8 needs aligned, as
     `{name: size}`: the contracted one (`input_dim`) and the output one

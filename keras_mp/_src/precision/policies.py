@@ -161,6 +161,7 @@ def apply(model, amp, set_before=None):
     decisions = decide_all(model, amp, outputs, heads)
     by_hand = {id(layer) for layer, _ in decisions if _set_by_hand(layer, set_before)}
     decisions = [(x, (None, rule_of(x)) if id(x) in by_hand else d) for x, d in decisions]
+    float8.refuse_lora([layer for layer, _ in decisions])
     set_policies(model, decisions)
     layers = [layer for layer, _ in decisions]
     probabilities.set_probabilities(layers)
