@@ -167,6 +167,44 @@ def test_an_fp8_checkpoint_loaded_before_compile_names_the_order_that_works(tmp_
     np.testing.assert_array_equal(resumed.predict(x, verbose=0), trained.predict(x, verbose=0))
 
 
+def test_fp8_weights_load_as_fp8_into_layers_the_size_rule_keeps_in_bfloat16(tmp_path):
+    """Weights saved with every aligned matmul in FP8 (`small_gemm=None`,
+    the default before the size rule) into the same model compiled under
+    the default recipe, which keeps the tiny middle layer in bfloat16: it
+    failed with Keras's bare "Layer 'd1' expected 2 variables, but received
+    8". The layer is put in FP8 and loads exactly, as a `.keras` file's
+    does, and trains on in FP8."""
+
+    def model():
+        keras.utils.set_random_seed(0)
+        return keras.Sequential(
+            [keras.Input((16,))] + [keras.layers.Dense(16, name=f"d{i}") for i in range(3)]
+        )
+
+    x = np.random.default_rng(0).normal(size=(8, 16)).astype("float32")
+    compiled = dict(optimizer="sgd", loss="mse", amp_level="O2", amp_dtype="float8")
+    saved = model()
+    saved.compile(**compiled, float8_recipe=keras_mp.Float8Recipe(small_gemm=None))
+    saved.train_on_batch(x, x)
+    path = str(tmp_path / "fp8.weights.h5")
+    saved.save_weights(path)
+    loaded = model()
+    loaded.compile(**compiled)
+    assert loaded.get_layer("d1").dtype_policy.name == "mixed_bfloat16"
+    loaded.load_weights(path)
+    assert loaded.get_layer("d1").dtype_policy.name == "float8_from_mixed_bfloat16"
+    rules = {r["layer"]: r["rule"] for r in keras_mp.precision_summary(loaded).rows}
+    assert rules[f"{loaded.name}/d1"] == "O2 float8: FP8 in the weights loaded, kept in FP8"
+    np.testing.assert_array_equal(_numpy(loaded(x)), _numpy(saved(x)))
+    loaded.train_on_batch(x, x)
+    saved.train_on_batch(x, x)
+    np.testing.assert_array_equal(_numpy(loaded(x)), _numpy(saved(x)))
+
+
+def _numpy(tensor):
+    return keras.ops.convert_to_numpy(keras.ops.cast(tensor, "float32"))
+
+
 @pytest.mark.skipif(
     keras.backend.backend() != "jax", reason="JAX's own: elsewhere assign writes in place"
 )

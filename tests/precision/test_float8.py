@@ -193,6 +193,63 @@ def test_a_matmul_too_small_for_fp8_to_pay_stays_bfloat16_and_the_summary_names_
         assert FP8_REASON in _rules(model)["small"], amp
 
 
+class UnbuiltNet(keras.Model):
+    """A subclassed model compiled before it is built: its GEMMs' sizes are
+    known only when `fit` builds it (input_dim 64, units 16; input_dim 16,
+    units 64)."""
+
+    def __init__(self):
+        super().__init__()
+        self.first = L.Dense(32, name="first")
+        self.dense = L.Dense(16, name="dense")
+        self.einsum = L.EinsumDense("ab,bc->ac", output_shape=64, name="einsum")
+        self.head = L.Dense(4, name="head")
+
+    def call(self, x, training=None):  # `training`: Keras passes it on to the layers
+        return self.head(self.einsum(self.dense(keras.ops.tile(self.first(x), (1, 2)))))
+
+
+def test_an_unbuilt_layers_size_is_decided_when_it_is_built():
+    """Under `small_gemm=(32, 16)` neither GEMM is small (each has one
+    dimension over), but before `fit` builds the model neither size is
+    known: both stay in bfloat16 until then, and are decided when built,
+    into FP8 (was: the EinsumDense kept in bfloat16 "unbuilt too small",
+    or `fit` failing as a kernel with no value yet was read), and train
+    there: their scales move."""
+    model = UnbuiltNet()
+    model.compile(
+        optimizer="sgd",
+        loss="mse",
+        amp_level="O2",
+        amp_dtype="float8",
+        float8_recipe=keras_mp.Float8Recipe(small_gemm=(32, 16)),
+    )
+    assert _rules(model)["einsum"] == (
+        "O2 float8: unbuilt: bfloat16 until built, then its GEMM's size decides (small_gemm)"
+    )
+    x = np.random.default_rng(0).normal(size=(4, 32)).astype("float32")
+    model.fit(x, np.zeros((4, 4), "float32"), epochs=1, verbose=0)
+    assert _fp8_layers(model) == ["dense", "einsum"], _rules(model)
+    assert not any("unbuilt" in rule for rule in _rules(model).values())
+    if BACKEND != "jax":  # JAX's step leaves a subclassed model's float8 scales, Keras's own too
+        histories = _numpy([model.einsum.inputs_amax_history, model.dense.inputs_amax_history])
+        assert all(h.max() > 0 for h in histories), histories
+
+
+@pytest.mark.one_backend
+def test_lora_on_a_layer_in_fp8_is_refused_at_compile_by_name():
+    """`enable_lora` on a layer already in FP8 failed at the first step of
+    `fit` with Keras's "`_float8_call` doesn't support LoRA"; `compile`
+    now refuses it, naming the layer and the order that works."""
+    model = _mlp()
+    compiled = dict(optimizer="sgd", loss=_loss(), amp_level="O2", amp_dtype="float8")
+    model.compile(**compiled, float8_recipe=ANY_SIZE)
+    assert "middle" in _fp8_layers(model)
+    model.get_layer("middle").enable_lora(2)
+    with pytest.raises(ValueError, match=r"Layer 'middle' computes in FP8 .*`enable_lora` before"):
+        model.compile(**compiled, float8_recipe=ANY_SIZE)
+
+
 # -- the recipe and bad input ----------------------------------------------------
 
 

@@ -3,6 +3,10 @@ place, their values and layouts, and PyTorch's registration of them."""
 
 import keras
 
+from keras_mp._src.keras_internals.required import _need
+
+_in_tf_graph = _need("keras.src.utils.backend_utils", "in_tf_graph")
+
 
 def own_trainable_variables(layer):
     """The trainable variables `layer` created itself."""
@@ -45,6 +49,14 @@ def hold_values(variables):
     """Whether the variables hold values (inside JAX's `fit`, and after one
     that failed before its state came back, they hold None)."""
     return all(v._value is not None for v in variables)
+
+
+def readable_now(variable):
+    """Whether a variable's value can be read as numbers here: not one made
+    in a stateless scope (a model built by `fit`'s symbolic pass: no value
+    until the scope ends), nor read while TensorFlow traces a graph (a model
+    built by its first step)."""
+    return variable._value is not None and not _in_tf_graph()
 
 
 def variable_layout(variable):

@@ -18,6 +18,7 @@ from keras_mp._src import keras_internals
 from keras_mp._src.model.train_step import guard_train_step
 from keras_mp._src.model.wrapping import find_optimizers
 from keras_mp._src.model.wrapping import wrap_model_optimizers
+from keras_mp._src.precision import layer_policy
 from keras_mp._src.precision.policies import is_amp_model
 
 _keras_aggregate_additional_loss = keras_internals.aggregate_additional_loss
@@ -101,12 +102,18 @@ def _own_buffers(model):
 # and bias: 3 scales and 3 amax histories.
 _FLOAT8_EXTRA_VARIABLES = 6
 _EXPECTED_VARIABLES = re.compile(r"expected (\d+) variables, but received (\d+) variables")
+# Keras's loading error lists the layers it could not load by their repr.
+_NOT_LOADED = re.compile(r"<\w+ name=([^,>]+), built=")
 
 
 def _with_float8_order_named(method):
-    """`load_weights` that names the order that works when a model whose
-    layers are not FP8 yet is given an FP8 checkpoint (saved at
-    `amp_dtype="float8"`): Keras's own error counts variables only."""
+    """`load_weights` of FP8 weights (saved at `amp_dtype="float8"`).
+
+    Into a model at `amp_dtype="float8"` whose rules keep in bfloat16 a layer
+    the weights hold in FP8 (saved under another `Float8Recipe(small_gemm=)`,
+    or `allow=`): that layer is put in FP8 and the weights load, as a
+    `.keras` file's do. Into a model not at float8 yet: Keras's error, which
+    counts variables only, names the order that works."""
 
     @functools.wraps(method)
     def load_weights(self, *args, **kwargs):
@@ -119,18 +126,25 @@ def _with_float8_order_named(method):
             expected, received = map(int, counts.groups())
             if received - expected != _FLOAT8_EXTRA_VARIABLES:
                 raise
-            raise ValueError(
-                f"{error}\n\nkeras_mp: these weights were saved from FP8 layers "
-                "(`amp_dtype='float8'`: each Dense holds 3 scales and 3 amax "
-                "histories beside its kernel and bias). Compile the model at the "
-                "level it was saved at first, then load: "
-                "`model.compile(..., amp_level='O2', amp_dtype='float8')`, then "
-                "`model.load_weights(path)` (a `.keras` file needs only "
-                "`keras.models.load_model(path)`)."
-            ) from error
+            names = set(_NOT_LOADED.findall(str(error).rsplit("could not be loaded:", 1)[-1]))
+            if not layer_policy.to_float8(self, names):
+                raise ValueError(_compile_first(error)) from error
+        return method(self, *args, **kwargs)
 
     load_weights._keras_mp_float8_order = True
     return load_weights
+
+
+def _compile_first(error):
+    return (
+        f"{error}\n\nkeras_mp: these weights were saved from FP8 layers "
+        "(`amp_dtype='float8'`: each Dense holds 3 scales and 3 amax "
+        "histories beside its kernel and bias). Compile the model at the "
+        "level it was saved at first, then load: "
+        "`model.compile(..., amp_level='O2', amp_dtype='float8')`, then "
+        "`model.load_weights(path)` (a `.keras` file needs only "
+        "`keras.models.load_model(path)`)."
+    )
 
 
 def install_preparation():

@@ -154,6 +154,24 @@ def has_float8_path(layer):
     return type(layer) in FLOAT8_CLASSES and not getattr(layer, "lora_enabled", False)
 
 
+def refuse_lora(layers):
+    """Refuses a layer in FP8 with LoRA enabled (`enable_lora` after FP8
+    training): Keras's float8 call has no LoRA path, and Keras cannot undo
+    the layer's quantization, so its `fit` would fail at the first step."""
+    for layer in layers:
+        if getattr(layer, "lora_enabled", False) and is_float8(layer):
+            raise ValueError(
+                f"Layer {layer.name!r} computes in FP8 (policy "
+                f"{layer.dtype_policy.name!r}) and has LoRA enabled: Keras's "
+                "float8 layers have no LoRA path, and a layer's quantization "
+                "cannot be undone. Build the model again and call "
+                "`enable_lora` before `compile(..., amp_dtype='float8')` (a "
+                "LoRA layer computes in bfloat16 there), or train this one "
+                f"without LoRA. Received: layer {layer.name!r} with "
+                f"lora_rank={layer.lora_rank}"
+            )
+
+
 def gemm_dims(layer):
     """The dimensions of the layer's GEMM that FP8 needs aligned, as
     `{name: size}`: the contracted one (`input_dim`) and the output one
@@ -183,25 +201,48 @@ def misaligned(layer):
 
 def too_small(layer, recipe):
     """`"input_dim=64, units=64"`-style text of a layer's GEMM too small for
-    FP8 to pay under `recipe` (`Float8Recipe.small_gemm`), or None. A
-    dimension not known before the layer is built counts as small (FP8 is
-    never chosen on a guess that it pays)."""
+    FP8 to pay under `recipe` (`Float8Recipe.small_gemm`), or None (it pays,
+    or its size is not known yet: `size_unknown`)."""
+    dims = _within_small_gemm(layer, recipe)
+    if dims is None or len(dims) < 2:
+        return None
+    return ", ".join(f"{k}={v}" for k, v in sorted(dims.items()))
+
+
+def size_unknown(layer, recipe):
+    """Whether the size rule cannot decide yet: an unbuilt layer whose GEMM
+    dimensions known so far are all within `small_gemm`. It stays in
+    bfloat16 until built, and is decided then (`policies.apply`): FP8 is
+    never chosen on a guess that it pays, nor refused on one that it does
+    not."""
+    dims = _within_small_gemm(layer, recipe)
+    return dims is not None and len(dims) < 2
+
+
+def _within_small_gemm(layer, recipe):
+    """The layer's known GEMM dimensions, `{name: size}`, where none is over
+    `recipe.small_gemm`; None where one is, or where there is no size rule."""
     if recipe is None or recipe.small_gemm is None:
         return None
     dims = gemm_dims(layer)
     limits = dict(zip(("input_dim", "units"), recipe.small_gemm))
     if any(size > limits[name] for name, size in dims.items()):
         return None
-    return ", ".join(f"{k}={v}" for k, v in sorted(dims.items())) or "unbuilt"
+    return dims
 
 
 def start_scales_from_weights(layer):
     """A built layer just quantized to FP8: its kernel's scale from the
     kernel's own amax (Keras starts every scale at 1, which rounds a
     pretrained kernel of std 3e-3 mostly to 0 in E4M3 until a step has
-    trained it), as its first training step would have set it."""
+    trained it), as its first training step would have set it. A kernel
+    not readable yet (a model built by `fit`, `keras_internals.readable_now`)
+    was just initialized, not loaded: its first step sets its scale, as
+    Keras's."""
     kernel = getattr(layer, "_kernel", None)
     if kernel is None or not hasattr(layer, "kernel_amax_history"):
+        return
+    if not keras_internals.readable_now(kernel):
         return
     values = keras.ops.cast(kernel, "float32")
     amax = float(keras.ops.convert_to_numpy(keras.ops.max(keras.ops.abs(values))))

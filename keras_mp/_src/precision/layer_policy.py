@@ -90,3 +90,41 @@ def _convert_own_variables(layer, previous, variable_dtype):
         keras_internals.recast(variable, variable_dtype)
         changed = True
     return changed
+
+
+_FLOAT8_RECIPE_ATTRIBUTE = "_keras_mp_float8_recipe"
+
+
+def note_float8_recipe(model, recipe):
+    """Notes the `Float8Recipe` the model's precision was set with (None:
+    not at `amp_dtype="float8"`), for loading FP8 weights (`to_float8`)."""
+    object.__setattr__(model, _FLOAT8_RECIPE_ATTRIBUTE, recipe)
+
+
+def to_float8(model, names):
+    """Puts in FP8 the layers of `model` named in `names` that FP8's rules
+    kept in bfloat16 (the size rule, the first and output layers) while the
+    model is at `amp_dtype="float8"`: weights saved from them in FP8 (3
+    scales and 3 amax histories beside kernel and bias) load as FP8, as a
+    `.keras` file's do. Returns the layers changed (none where the model is
+    not at float8)."""
+    recipe = getattr(model, _FLOAT8_RECIPE_ATTRIBUTE, None)
+    if recipe is None:
+        return []
+    changed = [
+        layer
+        for layer, _ in layer_tree.tree(model)
+        if layer.name in names
+        and float8.has_float8_path(layer)
+        and not float8.is_float8(layer)
+        and layer.dtype_policy.compute_dtype == "bfloat16"
+        and " float8: " in rule_of(layer)
+    ]
+    for layer in changed:
+        level = rule_of(layer).split(" float8: ")[0]
+        rule = f"{level} float8: FP8 in the weights loaded, kept in FP8"
+        _set_policy(layer, float8.policy(layer.dtype_policy.name, recipe), rule)
+        float8.set_call(layer, conditions.frozen(layer, None))
+    if changed:
+        backends.current.variables_changed(model)
+    return changed

@@ -22,6 +22,7 @@ from keras_mp._src.precision import rules
 from keras_mp._src.precision.layer_kinds import ALLOW_LIST
 from keras_mp._src.precision.layer_kinds import EXACT_PREPROCESSING
 from keras_mp._src.precision.layer_kinds import matches
+from keras_mp._src.precision.layer_policy import note_float8_recipe
 from keras_mp._src.precision.layer_policy import note_rule
 from keras_mp._src.precision.layer_policy import rule_of
 from keras_mp._src.precision.layer_policy import set_policies
@@ -160,6 +161,7 @@ def apply(model, amp, set_before=None):
     decisions = decide_all(model, amp, outputs, heads)
     by_hand = {id(layer) for layer, _ in decisions if _set_by_hand(layer, set_before)}
     decisions = [(x, (None, rule_of(x)) if id(x) in by_hand else d) for x, d in decisions]
+    float8.refuse_lora([layer for layer, _ in decisions])
     set_policies(model, decisions)
     layers = [layer for layer, _ in decisions]
     probabilities.set_probabilities(layers)
@@ -173,12 +175,20 @@ def apply(model, amp, set_before=None):
     if amp.float8 is not None:
         float8.warn_once_where_nothing_computes_fp8()
     mark_amp_model(model)
+    note_float8_recipe(model, amp.float8)
     set_layer_lists(model, amp.allow, amp.deny)
-    if heads.deferred and not model.built:
-        # Its outputs are known once it is built (`compile`, then `fit`).
+    if (heads.deferred or _sizes_unknown(layers, amp)) and not model.built:
+        # Its outputs, and its layers' GEMM sizes (FP8's size rule), are
+        # known once it is built (`compile`, then `fit`).
         set_now = {id(layer): (layer.dtype_policy.name, rule_of(layer)) for layer in layers}
         output_heads.when_built(model, lambda: apply(model, amp, set_now))
     return model
+
+
+def _sizes_unknown(layers, amp):
+    return amp.float8 is not None and any(
+        float8.has_float8_path(layer) and float8.size_unknown(layer, amp.float8) for layer in layers
+    )
 
 
 def _set_by_hand(layer, set_before):

@@ -108,6 +108,10 @@ def _too_small(layer, place):
     return float8.too_small(layer, place.amp.float8) is not None
 
 
+def _size_unknown(layer, place):
+    return float8.size_unknown(layer, place.amp.float8)
+
+
 def _fp8_in_bfloat16(condition, reason):
     return Rule(_FP8 + (condition, not_user_allowed), LEVEL_HALF, "{level} float8: " + reason)
 
@@ -123,6 +127,9 @@ FLOAT8_RULES = (
     _fp8_in_bfloat16(is_head, "output layer in bfloat16 (allow= for FP8)"),
     _fp8_in_bfloat16(is_first, "first layer in bfloat16 (allow= for FP8)"),
     _fp8_in_bfloat16(layer_is(float8.misaligned), "{misaligned} not a multiple of 16, bfloat16"),
+    _fp8_in_bfloat16(
+        _size_unknown, "unbuilt: bfloat16 until built, then its GEMM's size decides (small_gemm)"
+    ),
     _fp8_in_bfloat16(_too_small, "{small} too small for FP8 to pay (small_gemm), bfloat16"),
     Rule(_FP8, FLOAT8, _FP8_REASON),
 )
