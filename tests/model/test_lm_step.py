@@ -271,11 +271,15 @@ def test_a_train_step_of_its_own_calling_compute_loss_is_chunked_when_asked():
 def test_the_chunked_step_holds_no_tensor_of_the_logits_size(models):
     """The train step's program (JAX's lowered HLO, TensorFlow's traced
     graph with its loops' bodies, PyTorch's tensors of one step): the plain
-    loss's holds the logits (2 x 8 tokens x 61), the chunked one's nothing
-    that large (a chunk's 5 x 61 logits; the table 61 x 8)."""
+    loss's holds the logits (16 x 8 tokens x 61), the chunked one's nothing
+    that large (a chunk's 5 x 61 logits; the table 61 x 8). Sixteen
+    sequences: the logits outgrow every other tensor of the step (JAX's
+    finiteness check reads a small model's gradients as one array)."""
     from keras_mp._src.tools import compiled_census
 
-    logits = IDS.size * VOCABULARY
-    chunked, plain = (compiled_census.largest_tensor(model, X, Y) for model in models)
+    x = {name: np.tile(value, (8, 1)) for name, value in X.items()}
+    y = np.tile(Y, (8, 1))
+    logits = y.size * VOCABULARY
+    chunked, plain = (compiled_census.largest_tensor(model, x, y) for model in models)
     assert plain >= logits
     assert chunked < logits, (chunked, logits)
