@@ -87,3 +87,15 @@ def new_scale(history, scale, dtype):
 def new_history(x, history):
     """Keras's next amax history: this step's amax of `x` first."""
     return keras.quantizers.compute_float8_amax_history(x, history)
+
+
+def forward_updates(x, kernel, state):
+    """A training forward pass's new input and kernel scales and amax
+    histories (`state`'s first four, in `STATE`'s order)."""
+    x_scale, x_history, k_scale, k_history = state[:4]
+    return (
+        new_scale(x_history, x_scale, E4M3),
+        new_history(x, x_history),
+        new_scale(k_history, k_scale, E4M3),
+        new_history(kernel, k_history),
+    )

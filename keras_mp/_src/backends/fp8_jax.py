@@ -42,12 +42,7 @@ def gemm(form, x, kernel, state, training, compute_dtype):
         k8 = fp8_common.quantize(kernel, k_scale, E4M3, compute_dtype)
         y = _dot(f"{xs},{ks}->{out}", x8, k8, x_scale, k_scale, compute_dtype, compute_dtype)
         if training:
-            updated = (
-                fp8_common.new_scale(x_history, x_scale, E4M3),
-                fp8_common.new_history(x, x_history),
-                fp8_common.new_scale(k_history, k_scale, E4M3),
-                fp8_common.new_history(kernel, k_history),
-            )
+            updated = fp8_common.forward_updates(x, kernel, state)
         else:
             updated = tuple(state[:4])
         return y, (x8, k8, updated, state[0], state[2], state[4], state[5])

@@ -138,12 +138,7 @@ def _function():
             y = scaled_mm(x2, k2, x_scale, k_scale, compute_dtype, x.dtype, fast=True)
             y = y.reshape(layout["out_sizes"]).permute(layout["out"])
             if training:
-                updated = (
-                    fp8_common.new_scale(x_history, x_scale, E4M3),
-                    fp8_common.new_history(x, x_history),
-                    fp8_common.new_scale(k_history, k_scale, E4M3),
-                    fp8_common.new_history(kernel, k_history),
-                )
+                updated = fp8_common.forward_updates(x, kernel, state)
             else:
                 updated = tuple(t.detach().clone() for t in state[:4])
             ctx.layout, ctx.compute_dtype = layout, compute_dtype
