@@ -34,7 +34,13 @@ def _gpt2(chunked_loss, weights=None):
         dropout=0.0,
         max_sequence_length=16,
     )
-    model = keras_hub.models.GPT2CausalLM(backbone, preprocessor=None)
+    return _compiled(
+        keras_hub.models.GPT2CausalLM(backbone, preprocessor=None), chunked_loss, weights
+    )
+
+
+def _compiled(model, chunked_loss, weights):
+    """`model` with `weights` (another's, or its own), compiled at O2 bfloat16."""
     if weights is not None:
         model.set_weights(weights)
     model.compile(
@@ -126,15 +132,7 @@ def test_gemma2_soft_capped_follows_the_plain_loss():
             final_logit_soft_cap=2.0,
         )
         model = keras_hub.models.GemmaCausalLM(backbone, preprocessor=None)
-        if weights is not None:
-            model.set_weights(weights)
-        model.compile(
-            optimizer=keras.optimizers.Adam(1e-2),
-            amp_level="O2",
-            amp_dtype="bfloat16",
-            chunked_loss=chunked_loss,
-        )
-        return model
+        return _compiled(model, chunked_loss, weights)
 
     keras.utils.set_random_seed(2)
     plain = gemma(False)
