@@ -53,8 +53,15 @@ def _embedding(dtype, soft_cap=None):
         pytest.param("float32", _dense, "sum_over_batch_size", marks=pytest.mark.one_backend),
         pytest.param("float32", _dense, "none", marks=pytest.mark.one_backend),
         pytest.param("mixed_bfloat16", _dense, "sum", marks=pytest.mark.one_backend),
+        pytest.param("float32", _dense, "mean_with_sample_weight", marks=pytest.mark.one_backend),
     ],
-    ids=["bfloat16-tied-capped", "float32-dense", "float32-dense-none", "bfloat16-dense-sum"],
+    ids=[
+        "bfloat16-tied-capped",
+        "float32-dense",
+        "float32-dense-none",
+        "bfloat16-dense-sum",
+        "float32-dense-mean-with-sample-weight",
+    ],
 )
 def test_the_loss_is_keras_loss_of_the_same_logits(dtype, make, reduction):
     """Keras's loss (logits in the head's compute dtype, converted to
@@ -124,6 +131,16 @@ def _chunked(hidden, kernel, bias, labels=LABELS, dtype="bfloat16"):
     )[0]
 
 
+def _per_token(hidden, kernel, bias, labels=LABELS, dtype="bfloat16"):
+    """The chunks' per-token losses (`reduction="none"`, their gradient
+    computed again in the backward pass), reduced by Keras."""
+    head = lm_loss.TokenHead(False, dtype, bias=True)
+    losses = lm_loss.sparse_cross_entropy(
+        head, hidden, (kernel, bias), labels, reduction="none", chunk=CHUNK
+    )[0]
+    return ops.sum(ops.multiply(losses, WEIGHTS)) / LABELS.size
+
+
 def _float64_grads():
     """The loss's gradients in float64 (numpy), from the same weights."""
     h, w = HIDDEN_STATES.astype("float64"), KERNEL.astype("float64")
@@ -134,23 +151,32 @@ def _float64_grads():
     return dz @ w.T, np.einsum("btd,btv->dv", h, dz), dz.sum((0, 1))
 
 
-def test_gradients_are_no_further_from_float64_than_the_plain_half_steps():
-    """bfloat16: the hidden states' gradient as the plain step's (the same
-    half matmul per row), the kernel's closer (float32 across chunks, where
-    the plain step rounds the whole sum to bfloat16)."""
+@pytest.mark.parametrize(
+    "dtype, chunked",
+    [("bfloat16", _chunked), ("float16", _chunked), ("bfloat16", _per_token)],
+    ids=["bfloat16", "float16", "bfloat16-per-token"],
+)
+def test_gradients_are_no_further_from_float64_than_the_plain_half_steps(dtype, chunked):
+    """The hidden states' gradient as the plain step's (the same half
+    matmul per row, rounded once), the kernel's closer (float32 across
+    chunks, where the plain step rounds the whole sum to half); in float16
+    too, where the plain step without loss scaling loses the small
+    probabilities' gradients (the chunks keep them: `GRADIENT_SCALE`). The
+    reduced loss computes its gradients in the forward pass, the
+    per-token losses in the backward: the same values."""
     reference = _float64_grads()
     args = (HIDDEN_STATES, KERNEL, BIAS)
-    _, plain = _value_and_grads(_plain, *args)
-    _, chunked = _value_and_grads(_chunked, *args)
+    _, plain = _value_and_grads(lambda h, k, b: _plain(h, k, b, dtype=dtype), *args)
+    _, ours = _value_and_grads(lambda h, k, b: chunked(h, k, b, dtype=dtype), *args)
 
     def error(grad, ref):
         return np.linalg.norm(numpy(ops.cast(grad, "float32")) - ref) / np.linalg.norm(ref)
 
-    for name, p, c, ref in zip(("hidden", "kernel"), plain, chunked, reference):
+    for name, p, c, ref in zip(("hidden", "kernel"), plain, ours, reference):
         assert error(c, ref) <= 1.01 * error(p, ref), (name, error(c, ref), error(p, ref))
     # The bias's: the logits' rounding, both (its sum is float32's here).
-    assert numpy(chunked[2]).dtype == np.float32
-    np.testing.assert_allclose(numpy(chunked[2]), numpy(plain[2]), atol=1e-3)
+    assert numpy(ours[2]).dtype == np.float32
+    np.testing.assert_allclose(numpy(ours[2]), numpy(plain[2]), atol=1e-3)
 
 
 def test_tied_embeddings_get_the_gradient_of_both_uses():

@@ -270,6 +270,11 @@ def saved_in_half(forward, backward, x, dtype, read_after=None):
     return kept_in_half(x)
 
 
+def chunked_loss(chunks, hidden, labels, share, prescale, weights, chunk):
+    """A reduced loss chunk by chunk (`lm_loss.py`): `jax_chunks`, `torch_chunks`, `tf_chunks`."""
+    raise NotImplementedError(f"keras_mp has no chunked loss on the {NAME} backend")
+
+
 def chunked_token_losses(chunks, hidden, labels, weights, chunk):
     """A loss chunk by chunk (`lm_loss.py`): `jax_chunks`, `torch_chunks`, `tf_chunks`."""
     raise NotImplementedError(f"keras_mp has no chunked loss on the {NAME} backend")

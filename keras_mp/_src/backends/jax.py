@@ -11,6 +11,7 @@ import keras
 from keras_mp._src import keras_internals
 from keras_mp._src.backends import common
 from keras_mp._src.backends.common import *  # noqa: F401,F403 (the portable hooks)
+from keras_mp._src.backends.jax_chunks import chunked_loss  # noqa: F401 (the hook)
 from keras_mp._src.backends.jax_chunks import chunked_token_losses  # noqa: F401 (the hook)
 
 STATELESS = True

@@ -15,6 +15,7 @@ from keras_mp._src import keras_internals
 from keras_mp._src.backends import common
 from keras_mp._src.backends import tf_distribute
 from keras_mp._src.backends.common import *  # noqa: F401,F403 (the portable hooks)
+from keras_mp._src.backends.tf_chunks import chunked_loss  # noqa: F401 (the hook)
 from keras_mp._src.backends.tf_chunks import chunked_token_losses  # noqa: F401 (the hook)
 from keras_mp._src.backends.tf_distribute import check_compile  # noqa: F401 (the hook)
 from keras_mp._src.optimizer.loss_scale import update

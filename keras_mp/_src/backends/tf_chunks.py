@@ -1,13 +1,16 @@
-"""TensorFlow: a loss computed over chunks of tokens, with a gradient that
-computes each chunk again (`precision/lm_loss.py` gives the arithmetic).
+"""TensorFlow: a loss computed over chunks of tokens (`precision/lm_loss.py`
+gives the arithmetic).
 
-`tf.custom_gradient` over two `tf.while_loop`s, one iteration at a time
+`tf.custom_gradient` over `tf.while_loop`s, one iteration at a time
 (`parallel_iterations=1`: TensorFlow's executor would otherwise run chunks
 side by side, each with its logits). The rows are padded to whole chunks,
 so that every iteration has the same shapes (XLA's `jit_compile` needs
-them). The forward loop keeps nothing for a gradient (the custom one
-replaces it); the backward loop carries the weights' float32 gradients and
-writes each chunk's hidden-state gradient.
+them). A reduced loss (`chunked_loss`): one loop computes each chunk's
+loss and gradients (the weights' float32 gradients its carry); the
+gradient multiplies them by its scalar. Each token's loss
+(`chunked_token_losses`, `reduction="none"`): the forward loop keeps
+nothing for a gradient (the custom one replaces it); the backward loop
+computes each chunk again, carrying the weights' float32 gradients.
 """
 
 
@@ -75,15 +78,76 @@ def chunked_token_losses(chunks, hidden, labels, weights, chunk):
     return losses_of(hidden, *weights)
 
 
-def matmul32(equation, a, b):
-    """A half matmul with a float32 result, added across chunks in float32.
-    With a GPU the half GEMM's (rounded to half once per chunk, as
-    Liger-Kernel's); on a CPU a float32 GEMM of the half operands, exact
-    products (its half GEMMs convert to float32 anyway, unless it has AMX)."""
+def chunked_loss(chunks, hidden, labels, share, prescale, weights, chunk):
+    """`(loss, losses, correct)`: `sum(share * losses)` over the rows of
+    `hidden`, each row's loss and argmax hit, `chunk` rows at a time."""
     import tensorflow as tf
 
-    if tf.config.list_logical_devices("GPU"):
-        return tf.cast(tf.einsum(equation, a, b), tf.float32)
+    from keras_mp._src.backends import tensorflow as backend
+
+    chunk = int(chunk)
+    weights = [tf.convert_to_tensor(w) for w in weights]
+    rounded = _rounded if backend.in_xla_context() else _as_is
+    n = tf.shape(hidden)[0]
+    count = (n + chunk - 1) // chunk
+    labels_in_chunks = _split(labels, chunk, count, -1)
+    share_in_chunks = _split(share, chunk, count, 0)
+
+    @tf.custom_gradient
+    def loss_of(hidden, *weights):
+        ready = chunks.prepare(weights)
+        hidden_in_chunks = _split(hidden, chunk, count, 0)
+
+        def body(i, loss, total, losses, correct, dh):
+            part, token_losses, hits, dh_rows, grads = chunks.with_gradients(
+                hidden_in_chunks[i],
+                labels_in_chunks[i],
+                share_in_chunks[i],
+                prescale,
+                ready,
+                matmul32,
+                rounded,
+            )
+            total = [t + g for t, g in zip(total, grads)]
+            return (
+                i + 1,
+                loss + part,
+                total,
+                losses.write(i, token_losses),
+                correct.write(i, hits),
+                dh.write(i, dh_rows),
+            )
+
+        zeros = [tf.zeros(tf.shape(w), tf.float32) for w in weights]
+        arrays = [tf.TensorArray(tf.float32, size=count, element_shape=[chunk]) for _ in range(2)]
+        rows = tf.TensorArray(tf.float32, size=count, element_shape=[chunk, hidden.shape[1]])
+        _, loss, total, losses, correct, dh = tf.while_loop(
+            lambda i, *_: i < count,
+            body,
+            [tf.constant(0), tf.constant(0.0), zeros] + arrays + [rows],
+            parallel_iterations=1,
+        )
+        losses, correct = (tf.reshape(a.stack(), [-1])[:n] for a in (losses, correct))
+        dh = tf.reshape(dh.stack(), [-1, hidden.shape[1]])[:n]
+
+        def gradient(upstream, *_):
+            safe = tf.where(prescale > 0, prescale, 1.0)
+            factor = tf.where(prescale > 0, tf.cast(upstream, tf.float32) / safe, 0.0)
+            return [tf.cast(dh * factor, hidden.dtype)] + [
+                tf.cast(t * factor, w.dtype) for t, w in zip(total, weights)
+            ]
+
+        return (loss, tf.stop_gradient(losses), tf.stop_gradient(correct)), gradient
+
+    return loss_of(hidden, *weights)
+
+
+def matmul32(equation, a, b):
+    """A matmul with a float32 result (the chunks' gradients are added in
+    float32): of half operands in float32 (exact products; on a CPU they
+    come in float32 already, `lm_loss.gemm_dtype`)."""
+    import tensorflow as tf
+
     return tf.einsum(equation, tf.cast(a, tf.float32), tf.cast(b, tf.float32))
 
 

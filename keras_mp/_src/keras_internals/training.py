@@ -17,6 +17,11 @@ LossFunctionWrapper = _need("keras.src.losses.losses", "LossFunctionWrapper")
 # Keras's loss reduction (`Loss.__call__`'s): sample weights, the logits'
 # mask, and `reduction` (the chunked loss, `lm_loss.py`, reduces as Keras does).
 reduce_weighted_values = _need("keras.src.losses.loss", "reduce_weighted_values")
+# Its steps, for each token's share of the loss (`lm_loss.shares`).
+apply_mask = _need("keras.src.losses.loss", "apply_mask")
+squeeze_or_expand_to_same_rank = _need("keras.src.losses.loss", "squeeze_or_expand_to_same_rank")
+scale_loss_for_distribution = _need("keras.src.losses.loss", "scale_loss_for_distribution")
+standardize_reduction = _need("keras.src.losses.loss", "standardize_reduction")
 
 # Optional: absent in a Keras that sums `add_loss` losses some other way,
 # and then left alone.
