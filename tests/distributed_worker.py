@@ -406,6 +406,49 @@ def jax_data_parallel():
     keras.distribution.set_distribution(None)
 
 
+def jax_chunked_loss():
+    """A language model's loss chunk by chunk under `DataParallel`: the
+    tokens' shares of the loss follow the global batch (the batch is split
+    over the replicas, the loss is not divided again); the same steps as
+    the plain loss on the same devices."""
+    import jax
+
+    vocabulary, length = 61, 8
+    rng = np.random.default_rng(0)
+    ids = rng.integers(1, vocabulary, (GLOBAL_BATCH, length)).astype("int32")
+    labels = np.roll(ids, -1, axis=1)
+    weight = np.ones((GLOBAL_BATCH, length), "float32")
+    weight[::3, -3:] = 0.0  # padding
+    keras.distribution.set_distribution(keras.distribution.DataParallel(devices=jax.devices()))
+    runs = {}
+    for chunked_loss in (5, False):
+        keras.utils.set_random_seed(3)
+        tokens = keras.Input((length,), dtype="int32")
+        hidden = keras.layers.Embedding(vocabulary, 8)(tokens)
+        hidden = keras.layers.LayerNormalization()(hidden)
+        model = keras.Model(tokens, keras.layers.Dense(vocabulary)(hidden))
+        model.compile(
+            optimizer=keras.optimizers.Adam(1e-2),
+            loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+            amp_level="O2",
+            amp_dtype="bfloat16",
+            chunked_loss=chunked_loss,
+        )
+        losses = [
+            model.train_on_batch(ids, labels, sample_weight=weight, return_dict=True)["loss"]
+            for _ in range(2)
+        ]
+        runs[chunked_loss] = losses, model.get_weights(), keras_mp.precision_summary(model).loss
+    keras.distribution.set_distribution(None)
+    (chunked, chunked_weights, summary), (plain, plain_weights, _) = runs[5], runs[False]
+    assert summary.startswith("float32 loss chunk by chunk"), summary
+    np.testing.assert_allclose(chunked[0], plain[0], rtol=1e-5)
+    np.testing.assert_allclose(chunked[1], plain[1], rtol=2e-3)
+    for a, b in zip(chunked_weights, plain_weights):
+        np.testing.assert_allclose(a, b, atol=2e-3)
+    print("jax_chunked_loss: ok")
+
+
 # (name, compile arguments, tolerance against the single-device run)
 # What a level changes in the optimizer's state: float32 variables with a
 # dynamic scale (O2 float16), half variables with float32 master copies and

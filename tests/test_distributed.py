@@ -52,7 +52,8 @@ def test_tf_distribute():
 
 
 # On four CPU devices: DataParallel at every level; ModelParallel with a
-# LayoutMap, and with KerasHub Gemma's own; ZeRO-1 under both.
+# LayoutMap, and with KerasHub Gemma's own; ZeRO-1 under both; a language
+# model's loss chunk by chunk under DataParallel.
 JAX_SCENARIOS = {
     "jax_data_parallel": LEVELS,
     # O1/O2 in bfloat16 differ from float16 by the dtype and the scale's
@@ -65,6 +66,7 @@ JAX_SCENARIOS = {
         "ModelParallel O2-bfloat16-float8-moments",
         "without a distribution",
     ),  # fmt: skip
+    "jax_chunked_loss": (),
 }
 
 

@@ -1,5 +1,7 @@
-"""JAX's loop of the chunked loss: the program it lowers to holds one
-chunk's logits, never all of them, forward and backward."""
+"""JAX's loops of the chunked loss: the program they lower to holds one
+chunk's logits, never all of them, forward and backward; the reduced
+loss (its gradients in the forward pass) as each token's loss (computed
+again in the backward pass)."""
 
 import keras
 import numpy as np
@@ -13,7 +15,8 @@ TOKENS, HIDDEN, VOCABULARY, CHUNK = 24, 4, 50, 8
 
 
 @pytest.mark.perf
-def test_the_gradients_program_holds_one_chunks_logits():
+@pytest.mark.parametrize("reduction", ["sum_over_batch_size", "none"])
+def test_the_gradients_program_holds_one_chunks_logits(reduction):
     import jax
 
     from keras_mp._src.backends import hlo_text
@@ -25,8 +28,10 @@ def test_the_gradients_program_holds_one_chunks_logits():
     labels = rng.integers(0, VOCABULARY, TOKENS).astype("int32")
 
     def loss(hidden, kernel, chunk):
-        losses, _ = lm_loss.token_losses(head, hidden, (kernel,), labels, chunk=chunk)
-        return losses.sum()
+        loss, _, _ = lm_loss.sparse_cross_entropy(
+            head, hidden, (kernel,), labels, reduction=reduction, chunk=chunk
+        )
+        return loss.sum()
 
     def largest(chunk):
         grad = jax.jit(jax.grad(lambda h, k: loss(h, k, chunk), argnums=(0, 1)))

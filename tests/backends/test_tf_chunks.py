@@ -1,6 +1,7 @@
-"""TensorFlow's loop of the chunked loss: under `jit_compile` (XLA, whose
-loops need one shape an iteration: the last chunk is padded) as without,
-the same loss and gradients."""
+"""TensorFlow's loops of the chunked loss (the reduced loss, its gradients
+in the forward pass; each token's loss, computed again in the backward):
+under `jit_compile` (XLA, whose loops need one shape an iteration: the
+last chunk is padded) as without, the same loss and gradients."""
 
 import keras
 import numpy as np
@@ -13,7 +14,8 @@ pytestmark = pytest.mark.skipif(keras.backend.backend() != "tensorflow", reason=
 TOKENS, HIDDEN, VOCABULARY, CHUNK = 21, 4, 50, 8
 
 
-def test_jit_compile_gives_the_same_loss_and_gradients():
+@pytest.mark.parametrize("reduction", ["sum_over_batch_size", "none"])
+def test_jit_compile_gives_the_same_loss_and_gradients(reduction):
     import tensorflow as tf
 
     head = lm_loss.TokenHead(True, "float32", soft_cap=2.0)
@@ -25,8 +27,10 @@ def test_jit_compile_gives_the_same_loss_and_gradients():
     def step(hidden, table):
         with tf.GradientTape() as tape:
             tape.watch([hidden, table])
-            losses, _ = lm_loss.token_losses(head, hidden, (table,), labels, chunk=CHUNK)
-            loss = tf.reduce_sum(losses)
+            loss, _, _ = lm_loss.sparse_cross_entropy(
+                head, hidden, (table,), labels, reduction=reduction, chunk=CHUNK
+            )
+            loss = tf.reduce_sum(loss)
         return [loss] + tape.gradient(loss, [hidden, table])
 
     eager = step(hidden, table)

@@ -1,6 +1,8 @@
-"""PyTorch's loop of the chunked loss: what autograd keeps for the backward
-pass is the hidden states, the labels, one float32 log-sum-exp per token
-and the weights; no logits."""
+"""PyTorch's loops of the chunked loss: what autograd keeps for the
+backward pass holds no logits. The reduced loss keeps its gradients (the
+hidden states', the weights', in float32, and the scalar they were
+computed with); each token's loss keeps the hidden states, the labels, one
+float32 log-sum-exp per token and the weights."""
 
 import keras
 import numpy as np
@@ -13,7 +15,14 @@ pytestmark = pytest.mark.skipif(keras.backend.backend() != "torch", reason="PyTo
 TOKENS, HIDDEN, VOCABULARY, CHUNK = 24, 4, 50, 8
 
 
-def test_the_backward_pass_keeps_no_logits():
+KEPT = {
+    "sum_over_batch_size": [(TOKENS, HIDDEN), (), (HIDDEN, VOCABULARY)],
+    "none": [(TOKENS, HIDDEN), (TOKENS,), (TOKENS,), (HIDDEN, VOCABULARY)],
+}
+
+
+@pytest.mark.parametrize("reduction", sorted(KEPT))
+def test_the_backward_pass_keeps_no_logits(reduction):
     import torch
 
     head = lm_loss.TokenHead(False, "bfloat16")
@@ -30,7 +39,9 @@ def test_the_backward_pass_keeps_no_logits():
         return tensor
 
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        losses, _ = lm_loss.token_losses(head, hidden, (kernel,), labels, chunk=CHUNK)
-    assert sorted(saved) == sorted([(TOKENS, HIDDEN), (TOKENS,), (TOKENS,), (HIDDEN, VOCABULARY)])
-    losses.sum().backward()
+        loss, _, _ = lm_loss.sparse_cross_entropy(
+            head, hidden, (kernel,), labels, reduction=reduction, chunk=CHUNK
+        )
+    assert sorted(saved) == sorted(KEPT[reduction])
+    loss.sum().backward()
     assert kernel.grad.dtype == torch.float32 and kernel.grad.shape == kernel.shape

@@ -60,7 +60,7 @@ def models():
     return _gpt2(CHUNK, plain.get_weights()), plain
 
 
-def _small_pair():
+def _small_pair(jit_compile="auto"):
     """A functional LM (table, norm, Dense head) with CausalLM's weighted
     accuracy, chunked and plain, the same weights."""
 
@@ -77,6 +77,7 @@ def _small_pair():
             amp_level="O2",
             amp_dtype="bfloat16",
             chunked_loss=chunked_loss,
+            jit_compile=jit_compile,
         )
         return model
 
@@ -114,6 +115,21 @@ def test_a_language_model_follows_the_plain_loss_step_by_step(request):
     # Only the step changed: the model still returns its logits.
     logits = chunked.predict(x, verbose=0)
     assert logits.shape == (2, LENGTH, VOCABULARY) and logits.dtype == np.float32
+
+
+@pytest.mark.skipif(
+    keras.backend.backend() == "torch", reason="PyTorch's step is not compiled (jit_compile=False)"
+)
+def test_the_step_without_jit_compile_follows_the_plain_loss():
+    """The other side of the step above (compiled by XLA there, by rule):
+    TensorFlow's graph without XLA, JAX's ops one by one."""
+    chunked, plain = _small_pair(jit_compile=False)
+    got = chunked.train_on_batch(IDS, Y, sample_weight=SAMPLE_WEIGHT, return_dict=True)
+    want = plain.train_on_batch(IDS, Y, sample_weight=SAMPLE_WEIGHT, return_dict=True)
+    np.testing.assert_allclose(got["loss"], want["loss"], rtol=1e-5)
+    for a, b in zip(chunked.get_weights(), plain.get_weights()):
+        np.testing.assert_allclose(a, b, atol=2e-3)
+    assert keras_mp.precision_summary(chunked).loss.startswith("float32 loss chunk by chunk")
 
 
 @pytest.mark.one_backend
