@@ -280,6 +280,9 @@ def test_master_weights_need_a_bool_and_agree_with_the_optimizer():
     reason="CI time: each fit compiles BERT on JAX (45 s); O3's copies on JAX: "
     "test_o3_bfloat16_follows_float32_training",
 )
+@pytest.mark.slow(
+    reason="three KerasHub BERTs built, compiled and fitted two epochs (TensorFlow: 60-95 s)"
+)
 def test_lora_fine_tuning_of_a_bfloat16_keras_hub_model():
     """A KerasHub BERT built in bfloat16 (`from_preset(..., dtype=...)`),
     fine-tuned with LoRA and Adam at O3 bfloat16. Keras creates LoRA weights

@@ -58,7 +58,12 @@ BATCH = 8
 
 def _needs(format):
     for module in (_CONVERTERS[format], _RUNTIMES[format]):
-        pytest.importorskip(module, reason=f"{format}: {module} (the `export` extra)")
+        where = (
+            "in no extra: it pins typing-extensions below what Jupyter's client needs"
+            if module == "litert_torch"
+            else "the `export` extra"
+        )
+        pytest.importorskip(module, reason=f"{format}: {module} ({where})")
 
 
 def _tolerance(dtype):

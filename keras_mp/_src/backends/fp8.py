@@ -19,6 +19,16 @@ _name = _MODULES.get(keras.backend.backend())
 current = importlib.import_module(f"keras_mp._src.backends.{_name}") if _name else None
 
 
+def matmul_words():
+    """What an FP8 layer's matmul is on this backend, for its rule's reason."""
+    if current is not None:
+        return "matmul in FP8 (E4M3 forward, E5M2 gradients)"
+    return (
+        "matmul in FP8 precision (E4M3 forward, E5M2 gradients), quantized and "
+        "dequantized, multiplied in bfloat16"
+    )
+
+
 def train_step_gemms(model, data):
     """`[(dtype, dtype)]`: the FP8 dtypes of both operands of each matmul
     of `model`'s train step on `data` whose operands are both FP8 (none

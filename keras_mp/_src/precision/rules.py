@@ -21,6 +21,7 @@ import dataclasses
 
 import keras
 
+from keras_mp._src.backends import fp8
 from keras_mp._src.precision import float8
 from keras_mp._src.precision import lm_rule
 from keras_mp._src.precision import output_losses
@@ -101,7 +102,7 @@ KEPT = (
 # higher precision), GEMMs FP8 cannot run and GEMMs too small for FP8 to
 # pay (`Float8Recipe.small_gemm`); `allow=` puts those in FP8.
 _FP8 = (in_float8, layer_is(float8.has_float8_path))
-_FP8_REASON = "{level} float8: matmul in FP8 (E4M3 forward, E5M2 gradients)"
+_FP8_REASON = "{level} float8: " + fp8.matmul_words()
 
 
 def _too_small(layer, place):
