@@ -281,6 +281,54 @@ def test_a_train_step_of_its_own_calling_compute_loss_is_chunked_when_asked():
     assert keras_mp.precision_summary(plain).loss.startswith("plain loss: your train_step")
 
 
+@pytest.mark.skipif(keras.backend.backend() != "jax", reason="JAX's stateless step")
+def test_a_jax_train_step_of_its_own_is_chunked_when_asked():
+    """Keras's JAX guide's step: `stateless_call`, then `compute_loss`
+    outside any scope, then `stateless_apply`. The head's weights are the
+    traced values the call saw (their gradient, not zero); the compiled
+    metrics it cannot update are said in the summary."""
+    import jax
+
+    class OwnStep(keras.Model):
+        def loss_and_updates(self, trainable, non_trainable, x, y):
+            y_pred, non_trainable = self.stateless_call(trainable, non_trainable, x, training=True)
+            return self.compute_loss(x=x, y=y, y_pred=y_pred, training=True), non_trainable
+
+        def train_step(self, state, data):
+            trainable, non_trainable, optimizer_variables, metrics_variables = state
+            x, y = data[:2]
+            grad = jax.value_and_grad(self.loss_and_updates, has_aux=True)
+            (loss, non_trainable), grads = grad(trainable, non_trainable, x, y)
+            trainable, optimizer_variables = self.optimizer.stateless_apply(
+                optimizer_variables, grads, trainable
+            )
+            state = (trainable, non_trainable, optimizer_variables, metrics_variables)
+            return {"loss": loss}, state
+
+    def make(chunked_loss):
+        keras.utils.set_random_seed(1)
+        tokens = keras.Input((LENGTH,), dtype="int32")
+        hidden = keras.layers.Embedding(VOCABULARY, 8)(tokens)
+        model = OwnStep(tokens, keras.layers.Dense(VOCABULARY)(hidden))
+        model.compile(
+            optimizer=keras.optimizers.SGD(0.5),
+            loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+            metrics=["accuracy"],
+            amp_level="O0",
+            chunked_loss=chunked_loss,
+        )
+        return model
+
+    chunked, plain = make(True), make(False)
+    for model in (chunked, plain):
+        model.fit(IDS, Y, epochs=2, verbose=0)
+    for a, b in zip(chunked.get_weights(), plain.get_weights()):
+        np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
+    summary = keras_mp.precision_summary(chunked).loss
+    assert summary.startswith("float32 loss chunk by chunk"), summary
+    assert "not updated by a JAX train_step of your own" in summary
+
+
 @pytest.mark.perf
 def test_the_chunked_step_holds_no_tensor_of_the_logits_size(models):
     """The train step's program (JAX's lowered HLO, TensorFlow's traced

@@ -200,3 +200,16 @@ def test_tied_embeddings_get_the_gradient_of_both_uses():
     chunked_loss, (chunked,) = _value_and_grads(lambda t: loss(t, _chunked), table)
     np.testing.assert_allclose(numpy(chunked_loss), numpy(plain_loss), rtol=1e-5)
     np.testing.assert_allclose(numpy(chunked), numpy(plain), rtol=1e-4, atol=1e-6)
+
+
+@pytest.mark.one_backend
+@pytest.mark.parametrize("tied", [True, False], ids=["tied", "untied"])
+def test_a_reverse_dtype_is_the_chunks_matmul_dtype(tied):
+    """`ReversibleEmbedding(reverse_dtype=...)` casts the hidden states and
+    the table to it before the reverse matmul, tied or not: so do the chunks."""
+    layer = keras.layers.ReversibleEmbedding(
+        VOCABULARY, HIDDEN, tie_weights=tied, reverse_dtype="float32", dtype="mixed_bfloat16"
+    )
+    layer.build((None,))
+    head, _ = lm_loss.head_of(layer)
+    assert head.compute_dtype == "float32"

@@ -30,6 +30,10 @@ from keras_mp._src.precision import lm_rule
 from keras_mp._src.precision import rules
 
 SETTING = "_keras_mp_chunked_loss"
+METRICS_NOT_UPDATED = (
+    "the compiled metrics are not updated by a JAX train_step of your own (the "
+    "logits are never made): compute them in your step, or chunked_loss=False"
+)
 _DECISION = "_keras_mp_loss_decision"
 
 
@@ -102,7 +106,9 @@ def chunking(model, data):
     _, y, _ = keras.utils.unpack_x_y_sample_weight(data)
     tokens = _tokens(y)
     decided = model.__dict__.get(_DECISION)
-    if decided is None or decided[2].tokens != tokens:
+    # A batch of unknown size (TensorFlow's retrace of a last, smaller
+    # batch) keeps the decision its known shape made.
+    if decided is None or (tokens is not None and decided[2].tokens != tokens):
         # Once per batch shape (PyTorch enters this at every step).
         setting, loss = model.__dict__[SETTING]
         found = _found(model)
@@ -150,6 +156,16 @@ def _tokens(y):
     return math.prod(shape)
 
 
+def _scoped_values(variables):
+    """The values a stateless scope maps `variables` to, or None outside
+    one (the variables themselves are read then)."""
+    scope = keras_internals.stateless_scope()
+    if scope is None:
+        return None
+    values = tuple(scope.get_current_value(v) for v in variables)
+    return None if any(v is None for v in values) else values
+
+
 def _metric_reading_logits(model):
     """The name of a compiled metric the chunks cannot compute, or None."""
     for metric, _ in keras_internals.compiled_metrics(model):
@@ -162,6 +178,7 @@ class _Chunked:
     def __init__(self, model, found, facts):
         self.model, self.found, self.facts = model, found, facts
         self.swapped = []
+        self.weights = None
 
     def _swap(self, owner, name, value):
         self.swapped.append((owner, name, owner.__dict__.get(name)))
@@ -172,6 +189,11 @@ class _Chunked:
         trunk = self.found.trunk
 
         def call(inputs, training=None, mask=None, **kwargs):
+            # The head's weights as this call sees them: in a stateless
+            # scope (JAX: `stateless_call`), the traced values, which a
+            # step of the user's own that calls `compute_loss` outside the
+            # scope (Keras's JAX guide) would not see in the variables.
+            self.weights = _scoped_values(lm_loss.head_of(self.found.layer)[1])
             return trunk.call(inputs, training=training, mask=mask)
 
         self._swap(model, "call", call)
@@ -183,6 +205,7 @@ class _Chunked:
         return self
 
     def __exit__(self, *exc):
+        self.weights = None
         for owner, name, before in reversed(self.swapped):
             if before is None:
                 owner.__dict__.pop(name, None)
@@ -194,6 +217,7 @@ class _Chunked:
         """The compiled loss of the hidden states `y_pred`, through the head."""
         ignore_class, reduction = lm_rule.sparse_from_logits(self.facts.loss)
         head, weights = lm_loss.head_of(self.found.layer)
+        weights = self.weights or weights
         mask = keras_internals.get_keras_mask(y_pred) if self.found.passes_mask else None
         value, _, correct = lm_loss.sparse_cross_entropy(
             head,
@@ -215,9 +239,22 @@ class _Chunked:
         self._update_metrics(correct, sample_weight, mask)
         return value
 
+    def _say(self, words):
+        decided = self.model.__dict__.get(_DECISION)
+        if decided is not None and words not in decided[1]:
+            decided = (decided[0], f"{decided[1]}; {words}") + decided[2:]
+            object.__setattr__(self.model, _DECISION, decided)
+
     def _update_metrics(self, correct, sample_weight, mask):
         """The compiled accuracies from each token's argmax hit, weighted
         as Keras's `MeanMetricWrapper` weights them."""
+        if backends.current.STATELESS and keras_internals.stateless_scope() is None:
+            # A JAX train_step of the user's own calls `compute_loss`
+            # inside its gradient's trace and outside any scope: the
+            # metrics' values cannot leave it, and the logits are never
+            # made for the user's own update. Said in the summary.
+            self._say(METRICS_NOT_UPDATED)
+            return
         if mask is not None:
             mask = ops.cast(mask, "float32")
         for metric, weighted in keras_internals.compiled_metrics(self.model):

@@ -83,10 +83,11 @@ def head_of(layer):
         weights = (layer.kernel,) + ((layer.bias,) if layer.use_bias else ())
         return TokenHead(False, compute, None, layer.use_bias), weights
     if isinstance(layer, keras.layers.ReversibleEmbedding):
-        if layer.tie_weights:
-            head = TokenHead(True, compute, layer.logit_soft_cap)
-            return head, (layer.embeddings,)
+        # `reverse_dtype`: the hidden states and the table (tied or not)
+        # cast to it before the reverse matmul.
         reverse = keras.backend.standardize_dtype(layer.reverse_dtype or compute)
+        if layer.tie_weights:
+            return TokenHead(True, reverse, layer.logit_soft_cap), (layer.embeddings,)
         return TokenHead(False, reverse, layer.logit_soft_cap), (layer.reverse_embeddings,)
     return None
 
