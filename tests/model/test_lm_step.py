@@ -329,6 +329,28 @@ def test_a_jax_train_step_of_its_own_is_chunked_when_asked():
     assert "not updated by a JAX train_step of your own" in summary
 
 
+@pytest.mark.skipif(
+    keras.backend.backend() != "tensorflow", reason="TensorFlow traces a batch of unknown size"
+)
+def test_a_batch_of_unknown_size_is_decided_by_the_dimensions_known():
+    """`fit` on 5 sequences in batches of 2: TensorFlow traces the batch
+    dimension as unknown. Small logits keep the plain loss (before: an
+    unknown count chunked them)."""
+    tokens = keras.Input((LENGTH,), dtype="int32")
+    hidden = keras.layers.Embedding(VOCABULARY, 8)(tokens)
+    model = keras.Model(tokens, keras.layers.Dense(VOCABULARY)(hidden))
+    model.compile(
+        optimizer="adam",
+        loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+        amp_level="O2",
+        amp_dtype="bfloat16",
+    )
+    ids = np.concatenate([IDS, IDS, IDS[:1]])
+    model.fit(ids, np.roll(ids, -1, axis=1), batch_size=2, verbose=0)
+    said = keras_mp.precision_summary(model).loss
+    assert said.startswith(f"plain loss: logits of at least {LENGTH} tokens"), said
+
+
 @pytest.mark.perf
 def test_the_chunked_step_holds_no_tensor_of_the_logits_size(models):
     """The train step's program (JAX's lowered HLO, TensorFlow's traced

@@ -106,9 +106,7 @@ def chunking(model, data):
     _, y, _ = keras.utils.unpack_x_y_sample_weight(data)
     tokens = _tokens(y)
     decided = model.__dict__.get(_DECISION)
-    # A batch of unknown size (TensorFlow's retrace of a last, smaller
-    # batch) keeps the decision its known shape made.
-    if decided is None or (tokens is not None and decided[2].tokens != tokens):
+    if decided is None or decided[2].tokens != tokens:
         # Once per batch shape (PyTorch enters this at every step).
         setting, loss = model.__dict__[SETTING]
         found = _found(model)
@@ -150,10 +148,16 @@ def _own_step(model):
 
 
 def _tokens(y):
+    """The batch's tokens, or `lm_rule.AtLeast` the known dimensions' where
+    one is not known when traced (TensorFlow's batch of a dataset whose
+    last batch is smaller); None without a shape."""
     shape = getattr(y, "shape", None)
-    if shape is None or any(not isinstance(d, int) for d in shape):
+    if shape is None:
         return None
-    return math.prod(shape)
+    known = math.prod(d for d in shape if isinstance(d, int))
+    if all(isinstance(d, int) for d in shape):
+        return known
+    return lm_rule.AtLeast(known)
 
 
 def _scoped_values(variables):

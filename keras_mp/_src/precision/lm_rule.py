@@ -23,6 +23,11 @@ LOGITS_THRESHOLD = 2 * lm_loss.CHUNK_LOGITS
 CHUNKED_METRICS = (keras.metrics.SparseCategoricalAccuracy,)
 
 
+class AtLeast(int):
+    """A token count whose batch dimension is not known when traced: the
+    known dimensions' product, a lower bound (a batch of at least one)."""
+
+
 @dataclasses.dataclass(frozen=True)
 class LossFacts:
     """What the rule asks of a compiled model and its batch.
@@ -34,7 +39,8 @@ class LossFacts:
         loss: the loss `compile` was given.
         metric: the name of a compiled metric that reads the logits, or None.
         own_step: whether the model's `train_step` is its own.
-        tokens: the batch's tokens (None: not known when traced).
+        tokens: the batch's tokens (`AtLeast` the known dimensions' where
+            one is not known when traced; None: no shape).
     """
 
     setting: object
@@ -60,6 +66,8 @@ class LossFacts:
         fields["loss"] = _describe(self.loss)
         if self.found.layer is not None:
             tokens = "?" if self.tokens is None else f"{self.tokens:,}"
+            if isinstance(self.tokens, AtLeast):
+                tokens = f"at least {int(self.tokens):,}"
             fields.update(
                 head=self.found.layer.name,
                 chunk=self.chunk,
