@@ -49,6 +49,7 @@ ONCE = pytest.mark.skipif(
 
 
 @ONCE
+@pytest.mark.slow(reason="the README's main job as a user runs it: a process training three levels")
 def test_main_job_as_a_user_runs_it_shows_the_scale_the_skip_and_both_levels():
     # Two steps: the scale (2**24) overflows and halves on each, the story's
     # first line. One epoch: its times include compiling the step, which

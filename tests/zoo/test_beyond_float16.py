@@ -67,8 +67,17 @@ BEYOND_FLOAT16 = {
 }
 # The family TensorFlow trains at O2 in float16, compiled.
 COMPILED = {"tensorflow": "t5gemma2"}
+_COMPILED_SLOW = pytest.mark.slow(
+    reason="TensorFlow compiles T5Gemma2's encoder-decoder step with XLA, and Keras's policy's"
+)
 _CELLS = [
-    pytest.param(family, level, half, id=f"{family}-{level}-{half}")
+    pytest.param(
+        family,
+        level,
+        half,
+        id=f"{family}-{level}-{half}",
+        marks=() if TORCH else _COMPILED_SLOW,
+    )
     for family in BEYOND_FLOAT16
     for level, half in (("O1", "float16"), ("O2", "float16"), ("O3", "bfloat16"))
     if TORCH or (COMPILED.get(BACKEND) == family and (level, half) == ("O2", "float16"))
