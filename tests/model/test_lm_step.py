@@ -285,13 +285,17 @@ def test_a_train_step_of_its_own_calling_compute_loss_is_chunked_when_asked():
 def test_a_jax_train_step_of_its_own_is_chunked_when_asked():
     """Keras's JAX guide's step: `stateless_call`, then `compute_loss`
     outside any scope, then `stateless_apply`. The head's weights are the
-    traced values the call saw (their gradient, not zero); the compiled
-    metrics it cannot update are said in the summary."""
+    traced values the call that made `y_pred` saw (their gradient, not
+    zero; not a second call's); the compiled metrics it cannot update are
+    said in the summary."""
     import jax
 
     class OwnStep(keras.Model):
         def loss_and_updates(self, trainable, non_trainable, x, y):
             y_pred, non_trainable = self.stateless_call(trainable, non_trainable, x, training=True)
+            # A second call, other weights (a teacher's), before the loss.
+            zeros = [jax.numpy.zeros_like(v) for v in trainable]
+            self.stateless_call(zeros, non_trainable, x)
             return self.compute_loss(x=x, y=y, y_pred=y_pred, training=True), non_trainable
 
         def train_step(self, state, data):
@@ -332,23 +336,34 @@ def test_a_jax_train_step_of_its_own_is_chunked_when_asked():
 @pytest.mark.skipif(
     keras.backend.backend() != "tensorflow", reason="TensorFlow traces a batch of unknown size"
 )
-def test_a_batch_of_unknown_size_is_decided_by_the_dimensions_known():
+def test_a_batch_of_unknown_size_is_chunked_and_said():
     """`fit` on 5 sequences in batches of 2: TensorFlow traces the batch
-    dimension as unknown. Small logits keep the plain loss (before: an
-    unknown count chunked them)."""
-    tokens = keras.Input((LENGTH,), dtype="int32")
-    hidden = keras.layers.Embedding(VOCABULARY, 8)(tokens)
-    model = keras.Model(tokens, keras.layers.Dense(VOCABULARY)(hidden))
-    model.compile(
-        optimizer="adam",
-        loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
-        amp_level="O2",
-        amp_dtype="bfloat16",
-    )
+    dimension as unknown (as for any `tf.data` batched without
+    `drop_remainder`): its logits are not known small, so the loss is
+    chunked (before: plain, however large the batches), with the known
+    tokens as a lower bound in the summary; the steps follow the plain loss."""
+
+    def make(chunked_loss):
+        keras.utils.set_random_seed(5)
+        tokens = keras.Input((LENGTH,), dtype="int32")
+        hidden = keras.layers.Embedding(VOCABULARY, 8)(tokens)
+        model = keras.Model(tokens, keras.layers.Dense(VOCABULARY)(hidden))
+        model.compile(
+            optimizer=keras.optimizers.SGD(0.5),
+            loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+            amp_level="O0",
+            chunked_loss=chunked_loss,
+        )
+        return model
+
     ids = np.concatenate([IDS, IDS, IDS[:1]])
-    model.fit(ids, np.roll(ids, -1, axis=1), batch_size=2, verbose=0)
-    said = keras_mp.precision_summary(model).loss
-    assert said.startswith(f"plain loss: logits of at least {LENGTH} tokens"), said
+    chunked, plain = make(None), make(False)
+    for model in (chunked, plain):
+        model.fit(ids, np.roll(ids, -1, axis=1), batch_size=2, shuffle=False, verbose=0)
+    said = keras_mp.precision_summary(chunked).loss
+    assert said.startswith("float32 loss chunk by chunk") and f"at least {LENGTH} tokens" in said
+    for a, b in zip(chunked.get_weights(), plain.get_weights()):
+        np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
 
 
 @pytest.mark.perf
@@ -367,3 +382,32 @@ def test_the_chunked_step_holds_no_tensor_of_the_logits_size(models):
     chunked, plain = (compiled_census.largest_tensor(model, x, y) for model in models)
     assert plain >= logits
     assert chunked < logits, (chunked, logits)
+
+
+@pytest.mark.skipif(
+    keras.backend.backend() != "jax", reason="JAX's fit holds no value in the variables"
+)
+def test_a_lora_head_trains_chunk_by_chunk_on_jax():
+    """A LoRA head's kernel is a matmul of its variables, which JAX's `fit`
+    holds no value in outside the step's scope: read where the call reads it."""
+
+    def make(chunked_loss):
+        keras.utils.set_random_seed(6)
+        tokens = keras.Input((LENGTH,), dtype="int32")
+        hidden = keras.layers.Embedding(VOCABULARY, 8)(tokens)
+        head = keras.layers.Dense(VOCABULARY)
+        model = keras.Model(tokens, head(hidden))
+        head.enable_lora(2)
+        model.compile(
+            optimizer=keras.optimizers.SGD(0.5),
+            loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+            amp_level="O0",
+            chunked_loss=chunked_loss,
+        )
+        return model
+
+    chunked, plain = make(CHUNK), make(False)
+    for model in (chunked, plain):
+        model.fit(IDS, Y, epochs=2, verbose=0)
+    for a, b in zip(chunked.get_weights(), plain.get_weights()):
+        np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)

@@ -160,13 +160,16 @@ def _tokens(y):
     return lm_rule.AtLeast(known)
 
 
-def _scoped_values(variables):
-    """The values a stateless scope maps `variables` to, or None outside
-    one (the variables themselves are read then)."""
+def _scoped_values(weights):
+    """The values a stateless scope maps the head's `weights` to (a LoRA
+    kernel, computed in the scope, as it is), or None outside one (the
+    variables themselves are read then)."""
     scope = keras_internals.stateless_scope()
     if scope is None:
         return None
-    values = tuple(scope.get_current_value(v) for v in variables)
+    values = tuple(
+        scope.get_current_value(w) if isinstance(w, keras.Variable) else w for w in weights
+    )
     return None if any(v is None for v in values) else values
 
 
@@ -182,7 +185,7 @@ class _Chunked:
     def __init__(self, model, found, facts):
         self.model, self.found, self.facts = model, found, facts
         self.swapped = []
-        self.weights = None
+        self.calls = []
 
     def _swap(self, owner, name, value):
         self.swapped.append((owner, name, owner.__dict__.get(name)))
@@ -196,9 +199,14 @@ class _Chunked:
             # The head's weights as this call sees them: in a stateless
             # scope (JAX: `stateless_call`), the traced values, which a
             # step of the user's own that calls `compute_loss` outside the
-            # scope (Keras's JAX guide) would not see in the variables.
-            self.weights = _scoped_values(lm_loss.head_of(self.found.layer)[1])
-            return trunk.call(inputs, training=training, mask=mask)
+            # scope (Keras's JAX guide) would not see in the variables;
+            # kept with the call's output, whose loss reads them (a second
+            # call, a teacher's weights, has its own).
+            weights = _scoped_values(lm_loss.head_of(self.found.layer)[1])
+            hidden = trunk.call(inputs, training=training, mask=mask)
+            if weights is not None:
+                self.calls.append((hidden, weights))
+            return hidden
 
         self._swap(model, "call", call)
         compile_loss = keras_internals.compile_loss(model)
@@ -209,7 +217,7 @@ class _Chunked:
         return self
 
     def __exit__(self, *exc):
-        self.weights = None
+        self.calls = []
         for owner, name, before in reversed(self.swapped):
             if before is None:
                 owner.__dict__.pop(name, None)
@@ -221,7 +229,7 @@ class _Chunked:
         """The compiled loss of the hidden states `y_pred`, through the head."""
         ignore_class, reduction = lm_rule.sparse_from_logits(self.facts.loss)
         head, weights = lm_loss.head_of(self.found.layer)
-        weights = self.weights or weights
+        weights = self._weights_of(y_pred) or weights
         mask = keras_internals.get_keras_mask(y_pred) if self.found.passes_mask else None
         value, _, correct = lm_loss.sparse_cross_entropy(
             head,
@@ -243,6 +251,14 @@ class _Chunked:
         self._update_metrics(correct, sample_weight, mask)
         return value
 
+    def _weights_of(self, hidden):
+        """The head's weights the call that made `hidden` saw (the latest
+        call's where `hidden` is not one's output), or None."""
+        for output, weights in reversed(self.calls):
+            if output is hidden:
+                return weights
+        return self.calls[-1][1] if self.calls else None
+
     def _say(self, words):
         decided = self.model.__dict__.get(_DECISION)
         if decided is not None and words not in decided[1]:
@@ -252,7 +268,8 @@ class _Chunked:
     def _update_metrics(self, correct, sample_weight, mask):
         """The compiled accuracies from each token's argmax hit, weighted
         as Keras's `MeanMetricWrapper` weights them."""
-        if backends.current.STATELESS and keras_internals.stateless_scope() is None:
+        compiled = keras_internals.compiled_metrics(self.model)
+        if compiled and backends.current.STATELESS and keras_internals.stateless_scope() is None:
             # A JAX train_step of the user's own calls `compute_loss`
             # inside its gradient's trace and outside any scope: the
             # metrics' values cannot leave it, and the logits are never
@@ -261,7 +278,7 @@ class _Chunked:
             return
         if mask is not None:
             mask = ops.cast(mask, "float32")
-        for metric, weighted in keras_internals.compiled_metrics(self.model):
+        for metric, weighted in compiled:
             weight = sample_weight if weighted else None
             if mask is not None:
                 weight = mask if weight is None else ops.cast(weight, "float32") * mask

@@ -67,7 +67,7 @@ def _find(model):
     _, index, _, (args, kwargs) = made
     reverse = kwargs.get("reverse", args[1] if len(args) > 1 else False)
     reversed_embedding = isinstance(layer, keras.layers.ReversibleEmbedding)
-    if (reversed_embedding and not reverse) or lm_loss.head_of(layer) is None:
+    if (reversed_embedding and not reverse) or lm_loss.head_spec(layer) is None:
         return Found(
             why=f"its output layer `{layer.name}` ({type(layer).__name__}) is not a linear "
             "Dense or a ReversibleEmbedding read in reverse"

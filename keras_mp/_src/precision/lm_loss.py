@@ -70,26 +70,41 @@ class TokenHead:
         return kernel.shape[0] if self.transposed else kernel.shape[1]
 
 
-def head_of(layer):
-    """`(TokenHead, weights)` of a head layer: a linear `Dense` or a
-    `ReversibleEmbedding` (read in reverse); None for any other layer, or
-    one whose matmul is not its plain kernel (quantized)."""
+def head_spec(layer):
+    """The `TokenHead` of a head layer (a linear `Dense`, or a
+    `ReversibleEmbedding` read in reverse), or None for any other layer or
+    one whose matmul is not its plain kernel (quantized). Reads no weight
+    (a LoRA kernel is a matmul of variables a JAX step may hold no value
+    in)."""
     if getattr(layer, "quantization_mode", None):
         return None
     compute = keras.backend.standardize_dtype(layer.compute_dtype)
     if isinstance(layer, keras.layers.Dense):
         if layer.activation not in (None, keras.activations.linear):
             return None
-        weights = (layer.kernel,) + ((layer.bias,) if layer.use_bias else ())
-        return TokenHead(False, compute, None, layer.use_bias), weights
+        return TokenHead(False, compute, None, layer.use_bias)
     if isinstance(layer, keras.layers.ReversibleEmbedding):
         # `reverse_dtype`: the hidden states and the table (tied or not)
         # cast to it before the reverse matmul.
         reverse = keras.backend.standardize_dtype(layer.reverse_dtype or compute)
-        if layer.tie_weights:
-            return TokenHead(True, reverse, layer.logit_soft_cap), (layer.embeddings,)
-        return TokenHead(False, reverse, layer.logit_soft_cap), (layer.reverse_embeddings,)
+        return TokenHead(layer.tie_weights, reverse, layer.logit_soft_cap)
     return None
+
+
+def vocabulary_of(layer):
+    """A head layer's vocabulary, from its configuration (no weight read)."""
+    return layer.units if isinstance(layer, keras.layers.Dense) else layer.input_dim
+
+
+def head_of(layer):
+    """`(TokenHead, weights)` of a head layer (`head_spec`), its weights as
+    its matmul reads them (a LoRA kernel with its update), or None."""
+    head = head_spec(layer)
+    if head is None:
+        return None
+    if isinstance(layer, keras.layers.Dense):
+        return head, (layer.kernel,) + ((layer.bias,) if layer.use_bias else ())
+    return head, ((layer.embeddings,) if layer.tie_weights else (layer.reverse_embeddings,))
 
 
 def chunk_tokens(vocabulary, budget=CHUNK_LOGITS):

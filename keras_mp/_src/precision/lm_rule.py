@@ -52,8 +52,7 @@ class LossFacts:
 
     @property
     def vocabulary(self):
-        head, weights = lm_loss.head_of(self.found.layer)
-        return head.vocabulary(weights[0])
+        return lm_loss.vocabulary_of(self.found.layer)
 
     @property
     def chunk(self):
@@ -123,4 +122,8 @@ def own_train_step(_, facts):
 
 
 def small_logits(_, facts):
-    return facts.tokens is not None and facts.tokens * facts.vocabulary < LOGITS_THRESHOLD
+    # A batch dimension not known when traced (`AtLeast`): not known small
+    # (TensorFlow's `tf.data` batches without `drop_remainder`).
+    if facts.tokens is None or isinstance(facts.tokens, AtLeast):
+        return False
+    return facts.tokens * facts.vocabulary < LOGITS_THRESHOLD
