@@ -149,8 +149,8 @@ def _own_step(model):
 
 def _tokens(y):
     """The batch's tokens, or `lm_rule.AtLeast` the known dimensions' where
-    one is not known when traced (TensorFlow's batch of a dataset whose
-    last batch is smaller); None without a shape."""
+    one is not known when traced (TensorFlow's batch of a `tf.data` dataset
+    batched without `drop_remainder`); None without a shape."""
     shape = getattr(y, "shape", None)
     if shape is None:
         return None
@@ -160,13 +160,14 @@ def _tokens(y):
     return lm_rule.AtLeast(known)
 
 
-def _scoped_values(weights):
-    """The values a stateless scope maps the head's `weights` to (a LoRA
+def _scoped_values(layer):
+    """The values a stateless scope maps the head's weights to (a LoRA
     kernel, computed in the scope, as it is), or None outside one (the
     variables themselves are read then)."""
     scope = keras_internals.stateless_scope()
     if scope is None:
         return None
+    weights = lm_loss.head_of(layer)[1]
     values = tuple(
         scope.get_current_value(w) if isinstance(w, keras.Variable) else w for w in weights
     )
@@ -202,7 +203,7 @@ class _Chunked:
             # scope (Keras's JAX guide) would not see in the variables;
             # kept with the call's output, whose loss reads them (a second
             # call, a teacher's weights, has its own).
-            weights = _scoped_values(lm_loss.head_of(self.found.layer)[1])
+            weights = _scoped_values(self.found.layer)
             hidden = trunk.call(inputs, training=training, mask=mask)
             if weights is not None:
                 self.calls.append((hidden, weights))
