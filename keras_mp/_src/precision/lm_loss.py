@@ -166,11 +166,15 @@ def _valid(labels, vocabulary, ignore_class):
     return ops.logical_and(valid, ops.not_equal(labels, ignore_class))
 
 
-def chunk_forward(head, hidden, labels, ready, rounded, ignore_class=None):
-    """`(losses, lse, correct)` of one chunk: each token's float32 loss (0
-    for `ignore_class`, or a label outside the vocabulary), its
-    log-sum-exp, and whether the logits' argmax is its label."""
-    z = ops.cast(_capped(head, _raw_logits(head, hidden, ready, rounded), rounded), "float32")
+def _logits(head, hidden, ready, rounded):
+    """`(raw, z)`: a chunk's logits as the head's matmul gives them, and
+    in float32 after the soft-cap."""
+    raw = _raw_logits(head, hidden, ready, rounded)
+    return raw, ops.cast(_capped(head, raw, rounded), "float32")
+
+
+def _losses(z, labels, ignore_class):
+    """`(losses, lse, correct)` of a chunk's float32 logits `z`."""
     vocabulary = ops.shape(z)[-1]
     valid = _valid(labels, vocabulary, ignore_class)
     safe = ops.where(valid, labels, 0)
@@ -179,6 +183,14 @@ def chunk_forward(head, hidden, labels, ready, rounded, ignore_class=None):
     losses = ops.where(valid, lse - target, 0.0)
     correct = ops.cast(ops.equal(ops.argmax(z, axis=-1), ops.cast(labels, "int32")), "float32")
     return losses, lse, correct
+
+
+def chunk_forward(head, hidden, labels, ready, rounded, ignore_class=None):
+    """`(losses, lse, correct)` of one chunk: each token's float32 loss (0
+    for `ignore_class`, or a label outside the vocabulary), its
+    log-sum-exp, and whether the logits' argmax is its label."""
+    _, z = _logits(head, hidden, ready, rounded)
+    return _losses(z, labels, ignore_class)
 
 
 def _dz(head, raw, z, lse, labels, g, ignore_class):
@@ -222,8 +234,7 @@ def chunk_backward(
     """`(d hidden, d weights)` of one chunk, its logits computed again
     (`rounded`: as in `chunk_forward`, the same logits), for a gradient
     that comes per token (`reduction="none"`)."""
-    raw = _raw_logits(head, hidden, ready, rounded)
-    z = ops.cast(_capped(head, raw, rounded), "float32")
+    raw, z = _logits(head, hidden, ready, rounded)
     dz = _dz(head, raw, z, lse, labels, upstream, ignore_class)
     dh, grads = _through_head(head, hidden, dz, ready, matmul32)
     return ops.cast(dh, hidden.dtype), grads
@@ -240,15 +251,8 @@ def chunk_with_gradients(
     in float32 too). `prescale` brings the largest share to
     `GRADIENT_SCALE[dtype]`: the logits' gradient in float16 keeps a
     small probability's bits, as loss scaling keeps the plain step's."""
-    raw = _raw_logits(head, hidden, ready, rounded)
-    z = ops.cast(_capped(head, raw, rounded), "float32")
-    vocabulary = ops.shape(z)[-1]
-    valid = _valid(labels, vocabulary, ignore_class)
-    safe = ops.where(valid, labels, 0)
-    lse = ops.logsumexp(z, axis=-1)
-    target = ops.squeeze(ops.take_along_axis(z, ops.expand_dims(safe, -1), axis=-1), -1)
-    losses = ops.where(valid, lse - target, 0.0)
-    correct = ops.cast(ops.equal(ops.argmax(z, axis=-1), ops.cast(labels, "int32")), "float32")
+    raw, z = _logits(head, hidden, ready, rounded)
+    losses, lse, correct = _losses(z, labels, ignore_class)
     dz = _dz(head, raw, z, lse, labels, share * prescale, ignore_class)
     dh, grads = _through_head(head, hidden, dz, ready, matmul32)
     return ops.sum(losses * share), losses, correct, dh, grads
