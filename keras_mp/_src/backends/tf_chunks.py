@@ -19,16 +19,8 @@ def chunked_token_losses(chunks, hidden, labels, weights, chunk):
     size]`; `labels`: `[tokens]`), `chunk` rows at a time."""
     import tensorflow as tf
 
-    from keras_mp._src.backends import tensorflow as backend
-
     chunk = int(chunk)
-    weights = [tf.convert_to_tensor(w) for w in weights]
-    # XLA keeps float32 between half ops (excess precision): the head's own
-    # ops round each result, so do the chunks' (`backend.rounded`).
-    rounded = _rounded if backend.in_xla_context() else _as_is
-    n = tf.shape(hidden)[0]
-    count = (n + chunk - 1) // chunk
-    labels_in_chunks = _split(labels, chunk, count, -1)
+    weights, rounded, n, count, labels_in_chunks = _prepared(hidden, labels, weights, chunk)
 
     @tf.custom_gradient
     def losses_of(hidden, *weights):
@@ -83,14 +75,8 @@ def chunked_loss(chunks, hidden, labels, share, prescale, weights, chunk):
     `hidden`, each row's loss and argmax hit, `chunk` rows at a time."""
     import tensorflow as tf
 
-    from keras_mp._src.backends import tensorflow as backend
-
     chunk = int(chunk)
-    weights = [tf.convert_to_tensor(w) for w in weights]
-    rounded = _rounded if backend.in_xla_context() else _as_is
-    n = tf.shape(hidden)[0]
-    count = (n + chunk - 1) // chunk
-    labels_in_chunks = _split(labels, chunk, count, -1)
+    weights, rounded, n, count, labels_in_chunks = _prepared(hidden, labels, weights, chunk)
     share_in_chunks = _split(share, chunk, count, 0)
 
     @tf.custom_gradient
@@ -140,6 +126,21 @@ def chunked_loss(chunks, hidden, labels, share, prescale, weights, chunk):
         return (loss, tf.stop_gradient(losses), tf.stop_gradient(correct)), gradient
 
     return loss_of(hidden, *weights)
+
+
+def _prepared(hidden, labels, weights, chunk):
+    """`(weights, rounded, rows, chunks, labels in chunks)` for either loop."""
+    import tensorflow as tf
+
+    from keras_mp._src.backends import tensorflow as backend
+
+    # XLA keeps float32 between half ops (excess precision): the head's own
+    # ops round each result, so do the chunks' (`backend.rounded`).
+    rounded = _rounded if backend.in_xla_context() else _as_is
+    n = tf.shape(hidden)[0]
+    count = (n + chunk - 1) // chunk
+    weights = [tf.convert_to_tensor(w) for w in weights]
+    return weights, rounded, n, count, _split(labels, chunk, count, -1)
 
 
 def matmul32(equation, a, b):
