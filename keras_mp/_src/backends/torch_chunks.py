@@ -11,6 +11,8 @@ weights (inputs all three) and a float32 log-sum-exp per token; the
 backward runs the chunks again.
 """
 
+import functools
+
 
 def chunked_token_losses(chunks, hidden, labels, weights, chunk):
     """`(losses, correct)`, one each per row of `hidden` (`[tokens, hidden
@@ -58,13 +60,8 @@ def rounded(x):
     return x
 
 
-_Function = None
-
-
+@functools.cache
 def _function():
-    global _Function
-    if _Function is not None:
-        return _Function
     import torch
 
     class ChunkedTokenLosses(torch.autograd.Function):
@@ -100,17 +97,11 @@ def _function():
             grads = [t.to(w.dtype) if w.requires_grad else None for t, w in zip(total, weights)]
             return (None, None, dh if hidden.requires_grad else None, None, *grads)
 
-    _Function = ChunkedTokenLosses
-    return _Function
+    return ChunkedTokenLosses
 
 
-_LossFunction = None
-
-
+@functools.cache
 def _loss_function():
-    global _LossFunction
-    if _LossFunction is not None:
-        return _LossFunction
     import torch
 
     class ChunkedLoss(torch.autograd.Function):
@@ -155,5 +146,4 @@ def _loss_function():
             ]
             return (None, None, grads[0], None, None, None, *grads[1:])
 
-    _LossFunction = ChunkedLoss
-    return _LossFunction
+    return ChunkedLoss
