@@ -132,6 +132,25 @@ def test_the_step_without_jit_compile_follows_the_plain_loss():
     assert keras_mp.precision_summary(chunked).loss.startswith("float32 loss chunk by chunk")
 
 
+def _table_and_head(chunked_loss, seed, model_class=keras.Model, lora=False, **compiled):
+    """An embedding table and a Dense head (its LoRA on where asked), seeded,
+    compiled at O0 (SGD at 0.5 unless `compiled` says otherwise)."""
+    keras.utils.set_random_seed(seed)
+    tokens = keras.Input((LENGTH,), dtype="int32")
+    hidden = keras.layers.Embedding(VOCABULARY, 8)(tokens)
+    head = keras.layers.Dense(VOCABULARY)
+    model = model_class(tokens, head(hidden))
+    if lora:
+        head.enable_lora(2)
+    model.compile(
+        **{"optimizer": keras.optimizers.SGD(0.5), **compiled},
+        loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+        amp_level="O0",
+        chunked_loss=chunked_loss,
+    )
+    return model
+
+
 @pytest.mark.one_backend
 def test_gemma2_soft_capped_follows_the_plain_loss():
     """Gemma 2's final soft-cap (`ReversibleEmbedding.logit_soft_cap`)."""
@@ -261,18 +280,7 @@ def test_a_train_step_of_its_own_calling_compute_loss_is_chunked_when_asked():
             return {"loss": loss}
 
     def make(chunked_loss):
-        keras.utils.set_random_seed(1)
-        tokens = keras.Input((LENGTH,), dtype="int32")
-        hidden = keras.layers.Embedding(VOCABULARY, 8)(tokens)
-        model = OwnStep(tokens, keras.layers.Dense(VOCABULARY)(hidden))
-        model.compile(
-            optimizer="sgd",
-            loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
-            metrics=["accuracy"],
-            amp_level="O0",
-            chunked_loss=chunked_loss,
-        )
-        return model
+        return _table_and_head(chunked_loss, 1, OwnStep, optimizer="sgd", metrics=["accuracy"])
 
     chunked, plain = make(True), make(None)
     losses = [numpy(m.train_on_batch(IDS, Y, return_dict=True)["loss"]) for m in (chunked, plain)]
@@ -310,18 +318,7 @@ def test_a_jax_train_step_of_its_own_is_chunked_when_asked():
             return {"loss": loss}, state
 
     def make(chunked_loss):
-        keras.utils.set_random_seed(1)
-        tokens = keras.Input((LENGTH,), dtype="int32")
-        hidden = keras.layers.Embedding(VOCABULARY, 8)(tokens)
-        model = OwnStep(tokens, keras.layers.Dense(VOCABULARY)(hidden))
-        model.compile(
-            optimizer=keras.optimizers.SGD(0.5),
-            loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
-            metrics=["accuracy"],
-            amp_level="O0",
-            chunked_loss=chunked_loss,
-        )
-        return model
+        return _table_and_head(chunked_loss, 1, OwnStep, metrics=["accuracy"])
 
     chunked, plain = make(True), make(False)
     for model in (chunked, plain):
@@ -343,21 +340,8 @@ def test_a_batch_of_unknown_size_is_chunked_and_said():
     chunked (before: plain, however large the batches), with the known
     tokens as a lower bound in the summary; the steps follow the plain loss."""
 
-    def make(chunked_loss):
-        keras.utils.set_random_seed(5)
-        tokens = keras.Input((LENGTH,), dtype="int32")
-        hidden = keras.layers.Embedding(VOCABULARY, 8)(tokens)
-        model = keras.Model(tokens, keras.layers.Dense(VOCABULARY)(hidden))
-        model.compile(
-            optimizer=keras.optimizers.SGD(0.5),
-            loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
-            amp_level="O0",
-            chunked_loss=chunked_loss,
-        )
-        return model
-
     ids = np.concatenate([IDS, IDS, IDS[:1]])
-    chunked, plain = make(None), make(False)
+    chunked, plain = _table_and_head(None, 5), _table_and_head(False, 5)
     for model in (chunked, plain):
         model.fit(ids, np.roll(ids, -1, axis=1), batch_size=2, shuffle=False, verbose=0)
     said = keras_mp.precision_summary(chunked).loss
@@ -391,22 +375,7 @@ def test_a_lora_head_trains_chunk_by_chunk_on_jax():
     """A LoRA head's kernel is a matmul of its variables, which JAX's `fit`
     holds no value in outside the step's scope: read where the call reads it."""
 
-    def make(chunked_loss):
-        keras.utils.set_random_seed(6)
-        tokens = keras.Input((LENGTH,), dtype="int32")
-        hidden = keras.layers.Embedding(VOCABULARY, 8)(tokens)
-        head = keras.layers.Dense(VOCABULARY)
-        model = keras.Model(tokens, head(hidden))
-        head.enable_lora(2)
-        model.compile(
-            optimizer=keras.optimizers.SGD(0.5),
-            loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
-            amp_level="O0",
-            chunked_loss=chunked_loss,
-        )
-        return model
-
-    chunked, plain = make(CHUNK), make(False)
+    chunked, plain = _table_and_head(CHUNK, 6, lora=True), _table_and_head(False, 6, lora=True)
     for model in (chunked, plain):
         model.fit(IDS, Y, epochs=2, verbose=0)
     for a, b in zip(chunked.get_weights(), plain.get_weights()):
