@@ -42,3 +42,23 @@ def test_elementwise_rates_and_the_launch_cost_are_measured_once():
     # Both half dtypes were timed in turns with O0: nothing is timed again.
     assert all(1e-7 < cpu_rates.launch_seconds(d) < 0.1 for d in ("bfloat16", "float16"))
     assert time.perf_counter() - start < 0.01
+
+
+def test_a_tied_head_s_table_is_read_as_the_device_multiplies(monkeypatch):
+    """`KERAS_MP_TIED_HEAD` forces a form; unset, a CPU whose flags name no
+    native bfloat16 matmul reads the table in float32, any other device in
+    half; a form it does not know is an error naming the variable."""
+    monkeypatch.setenv(cpu_rates.TIED_HEAD_ENV, "half")
+    assert cpu_rates.tables_in_half("bfloat16")
+    monkeypatch.setenv(cpu_rates.TIED_HEAD_ENV, "float32")
+    assert not cpu_rates.tables_in_half("bfloat16")
+    monkeypatch.delenv(cpu_rates.TIED_HEAD_ENV)
+    flags = cpu_rates.cpu_flags()
+    if cpu_rates.runs_on_a_cpu() and flags and not cpu_rates.native(flags, "bfloat16"):
+        assert not cpu_rates.tables_in_half("bfloat16")
+    assert cpu_rates.tables_in_half("bfloat16") is (
+        not cpu_rates.half_matmuls_converted("bfloat16")
+    )
+    monkeypatch.setenv(cpu_rates.TIED_HEAD_ENV, "fp32")
+    with pytest.raises(ValueError, match=r"KERAS_MP_TIED_HEAD must be one of .*Received: 'fp32'"):
+        cpu_rates.tables_in_half("bfloat16")

@@ -315,3 +315,48 @@ def test_output_layers_follow_allow_and_deny(level, dtype):
     assert rows["scale"]["compute_dtype"] == dtype
     for output in denied(np.ones((2, 4), "float32")):
         assert _dtype(output) == "float32"
+
+
+def _tied_language_model(policy="float32"):
+    """KerasHub's causal LM in small: a backbone embeds the tokens, the model
+    multiplies its output by the same table (`reverse=True`)."""
+    keras.config.set_dtype_policy(policy)
+    try:
+        keras.utils.set_random_seed(0)
+        table = keras.layers.ReversibleEmbedding(32, 8, name="token_embedding")
+        tokens = keras.Input((6,), dtype="int32")
+        backbone = keras.Model(tokens, keras.layers.Dense(8, name="block")(table(tokens)))
+        return keras.Model(tokens, table(backbone(tokens), reverse=True))
+    finally:
+        keras.config.set_dtype_policy("float32")
+
+
+@pytest.mark.perf
+@pytest.mark.parametrize("form", ["half", "float32"])
+def test_a_tied_head_reads_its_table_as_the_device_multiplies(form, monkeypatch):
+    """On a CPU without native bfloat16 (`KERAS_MP_TIED_HEAD` unset) the
+    tied head's table is read in float32: the program multiplies it in
+    float32, and on TensorFlow and PyTorch its logits are Keras's
+    `mixed_bfloat16` logits, bit for bit (Keras's JAX policy reads the table
+    in bfloat16, under the model's autocast scope). Elsewhere in bfloat16
+    (the tests pin "half", `tests/conftest.py`)."""
+    from keras_mp._src.tools import compiled_census
+
+    monkeypatch.setenv("KERAS_MP_TIED_HEAD", form)
+    model = _tied_language_model()
+    keras_reference = _tied_language_model("mixed_bfloat16")
+    keras_reference.set_weights(model.get_weights())
+    model.compile("adam", "sparse_categorical_crossentropy", amp_level="O2", amp_dtype="bfloat16")
+    x = np.random.default_rng(0).integers(0, 32, (4, 6)).astype("int32")
+    y = np.random.default_rng(1).integers(0, 32, (4, 6)).astype("int32")
+    (head,) = [r for r in keras_mp.precision_summary(model).rows if r["layer"] == "token_embedding"]
+    census = compiled_census.census(model, x, y)
+    if form == "float32":
+        assert "its weights read in float32 on this CPU" in head["rule"], head
+        assert census.flops.get("float32", 0) > 0, census
+        if keras.backend.backend() != "jax":
+            expected = np.asarray(keras_reference.predict(x, verbose=0), "float32")
+            np.testing.assert_array_equal(model.predict(x, verbose=0), expected)
+    else:
+        assert "read in float32" not in head["rule"], head
+        assert census.half_share == 1.0, census

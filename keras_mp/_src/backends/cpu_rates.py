@@ -37,6 +37,7 @@ why a 64-wide MLP trains slower at O2 bfloat16 than at O0 on a CPU whose
 """
 
 import functools
+import os
 import threading
 import time
 
@@ -235,6 +236,76 @@ def cpu_flags():
 def native(flags, dtype):
     """The flags among `flags` of native `dtype` matmul instructions, sorted."""
     return sorted(set(flags) & set(NATIVE.get(dtype, ())))
+
+
+# `KERAS_MP_TIED_HEAD`: "half" or "float32" forces how a layer that does not
+# autocast reads its weights when it multiplies half inputs
+# (`boundaries.py`); unset or "auto", by the device (`tables_in_half`).
+TIED_HEAD_ENV = "KERAS_MP_TIED_HEAD"
+TIED_HEAD_FORMS = ("auto", "half", "float32")
+
+
+def tables_in_half(dtype):
+    """Whether a layer that does not autocast (a tied embedding read in
+    reverse: a language model's logits) reads its float32 weights in the
+    half `dtype` of its inputs to multiply them, or in float32 as Keras's
+    own policies read them.
+
+    In half wherever half matmuls compute in half: a GPU's or TPU's tensor
+    cores, a CPU with native instructions for `dtype`. A CPU without them
+    converts both operands to float32 to multiply (TensorFlow's oneDNN and
+    PyTorch: a third to a fifth of float32's rate), so the table is read
+    in float32 there, the largest matmul of a language model's step at
+    float32's rate, its logits the same float32 values Keras's
+    `mixed_bfloat16` computes. `KERAS_MP_TIED_HEAD` ("half", "float32")
+    forces one form on every device (the tests pin "half").
+    """
+    form = os.environ.get(TIED_HEAD_ENV, "auto").strip().lower() or "auto"
+    if form not in TIED_HEAD_FORMS:
+        raise ValueError(
+            f"The environment variable {TIED_HEAD_ENV} must be one of "
+            f"{', '.join(repr(f) for f in TIED_HEAD_FORMS)}. Received: {form!r}"
+        )
+    if form != "auto":
+        return form == "half"
+    return not half_matmuls_converted(dtype)
+
+
+def half_matmuls_converted(dtype):
+    """Whether this process's matmuls in the half `dtype` are converted to
+    float32 to multiply: on a CPU (no GPU or TPU in use) whose flags name no
+    native instructions for `dtype`, or whose backend computes no matmul in
+    it (`computes_half_matmuls`: PyTorch's float16 on a CPU)."""
+    from keras_mp._src import backends
+
+    if not runs_on_a_cpu():
+        return False
+    flags = cpu_flags()
+    if flags and not native(flags, dtype):
+        return True
+    return not backends.current.computes_half_matmuls(dtype)
+
+
+@functools.cache
+def runs_on_a_cpu():
+    """Whether this process's backend computes on a CPU: no GPU (as each
+    backend sees one), and no TPU."""
+    from keras_mp._src import backends
+
+    try:
+        if backends.current.gpu_name():
+            return False
+    except Exception:  # No usable GPU runtime.
+        pass
+    if backends.current.NAME == "jax":
+        import jax
+
+        return jax.default_backend() == "cpu"
+    if backends.current.NAME == "tensorflow":
+        import tensorflow as tf
+
+        return not tf.config.list_logical_devices("TPU")
+    return True
 
 
 @functools.cache

@@ -16,6 +16,7 @@ import threading
 import keras
 
 from keras_mp._src import keras_internals
+from keras_mp._src.backends import cpu_rates
 from keras_mp._src.precision import handoff
 from keras_mp._src.precision import layer_tree
 from keras_mp._src.precision import probabilities
@@ -43,6 +44,16 @@ def casts_of(layer):
     if not getattr(layer, _CASTS_ATTRIBUTE, False):
         return None
     return (getattr(layer, _ENTRY_DTYPE_ATTRIBUTE), getattr(layer, _OUTPUT_DTYPE_ATTRIBUTE))
+
+
+def reads_weights_in_float32(layer):
+    """The half dtype of the inputs a layer that does not autocast (a tied
+    embedding read in reverse) multiplies by its weights read in float32 on
+    this device (`cpu_rates.tables_in_half`), or None."""
+    casts = casts_of(layer)
+    if casts is None or layer.autocast or casts[0] not in _HALF:
+        return None
+    return None if cpu_rates.tables_in_half(casts[0]) else casts[0]
 
 
 def outside_dtype_of(layer):
@@ -165,7 +176,13 @@ def _with_boundary_casts(layer, call):
             # A layer that does not autocast (a tied embedding's logits):
             # its weights read in its compute dtype too, where its inputs
             # are floats (a lookup of token ids reads the table as it is).
-            with keras_internals.AutocastScope(entry):
+            # Not on a CPU that multiplies half in float32 anyway: there the
+            # table is read as stored, float32 (as Keras's TensorFlow and
+            # PyTorch policies read it, whatever scope the model's call
+            # opened), and the matmul of half inputs runs in float32
+            # (`cpu_rates.tables_in_half`).
+            read = entry if cpu_rates.tables_in_half(entry) else None
+            with keras_internals.AutocastScope(read):
                 outputs = run(*args, **kwargs)
         elif recomputed.is_on(layer):
             outputs = recomputed.call(layer, run, args, kwargs)

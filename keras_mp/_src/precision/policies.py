@@ -249,6 +249,12 @@ def _annotate_returns(returns, layers):
             continue
         if caller is None:  # a model output
             rule = f"{rule}; model output: returns {dtype}"
+            half = boundaries.reads_weights_in_float32(layer)
+            if half is not None:
+                rule = (
+                    f"{rule}; its weights read in float32 on this CPU (no native "
+                    f"{half} matmul), as Keras's policy reads them"
+                )
         elif layer_tree.is_graph(caller):
             rule = f"{rule}; returns {dtype} to its {dtype} consumers in {caller.name}"
         else:

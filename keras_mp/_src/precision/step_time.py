@@ -30,6 +30,7 @@ import dataclasses
 import keras
 
 from keras_mp._src import keras_internals
+from keras_mp._src.backends import cpu_rates
 from keras_mp._src.precision import layer_tree
 from keras_mp._src.precision import step_cost
 
@@ -139,7 +140,7 @@ def step_time(model, accounts, peaks, dtype, slots=2):
         )
     return StepTime(
         matmuls=sum(
-            a.step_flops / peaks.matmul_rate(a.matmul or a.dtype)
+            a.step_flops / peaks.matmul_rate(_cpu_matmul_dtype(a))
             for a in accounts.values()
             if a.flops
         ),
@@ -149,6 +150,22 @@ def step_time(model, accounts, peaks, dtype, slots=2):
         launches=count,
         per_launch=per_launch,
     )
+
+
+def _cpu_matmul_dtype(account):
+    """The dtype this CPU multiplies a layer's matmul in: a tied head's table
+    is read in float32 where half is converted to float32 to multiply
+    (`cpu_rates.tables_in_half`, `boundaries.py`)."""
+    if account.matmul:
+        return account.matmul
+    layer = account.layer
+    if (
+        account.dtype in ("float16", "bfloat16")
+        and not getattr(layer, "autocast", True)
+        and not cpu_rates.tables_in_half(account.dtype)
+    ):
+        return "float32"
+    return account.dtype
 
 
 def predict(model, calls, reference, amp, peaks, slots=2, batch=""):
