@@ -221,13 +221,20 @@ def find_optimizers(model):
     return found
 
 
+_MAY_HOLD = (keras.optimizers.Optimizer, list, tuple, dict)
+
+
 def _held_by(holder, prefix):
     """The optimizers among `holder`'s own attributes (not its layers')."""
-    attributes = dict(vars(holder))
-    names = ["optimizer"] + sorted(n for n in attributes if n != "optimizer")
+    # Only the attributes that can hold one, `optimizer` first, then by name
+    # (every `train_on_batch` asks: a model has a hundred attributes).
+    attributes = {
+        name: value
+        for name, value in vars(holder).items()
+        if isinstance(value, _MAY_HOLD) and not name.startswith("_")
+    }
+    names = sorted(attributes, key=lambda name: (name != "optimizer", name))
     for name in names:
-        if name.startswith("_") or name not in attributes:
-            continue
         value = attributes[name]
 
         def set_attribute(new, name=name):
@@ -343,11 +350,18 @@ def name_in_logs(held):
     """Tells a LossScaleOptimizer where it is held: its label in the logs,
     and the line a message asks for (`self.<attribute>` in its holder's code)."""
     optimizer = held.optimizer
-    optimizer._keras_mp_label = held.label
-    optimizer._keras_mp_code = f"self.{held.attribute}"
-    optimizer._keras_mp_holder = (
-        "" if "." not in held.label else f" (in {type(held.holder).__name__} `{held.holder.name}`)"
-    )
+    where = {
+        "_keras_mp_label": held.label,
+        "_keras_mp_code": f"self.{held.attribute}",
+        "_keras_mp_holder": (
+            ""
+            if "." not in held.label
+            else f" (in {type(held.holder).__name__} `{held.holder.name}`)"
+        ),
+    }
+    for name, value in where.items():
+        if getattr(optimizer, name, None) != value:  # (every `train_on_batch` asks)
+            setattr(optimizer, name, value)
 
 
 def _compiled_by_a_nested_model(held, model):
