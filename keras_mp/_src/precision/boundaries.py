@@ -53,6 +53,8 @@ def reads_weights_in_float32(layer):
     casts = casts_of(layer)
     if casts is None or layer.autocast or casts[0] not in _HALF:
         return None
+    if keras.backend.standardize_dtype(layer.variable_dtype) != "float32":
+        return None  # O3's half table: read as stored, in half
     return None if cpu_rates.tables_in_half(casts[0]) else casts[0]
 
 

@@ -30,6 +30,7 @@ class Account:
     dtype: str
     reason: str = ""
     matmul: str = ""  # the dtype of its matmul where not `dtype` ("float8")
+    variables: str = "float32"  # its variables' dtype at this precision
     flops: int = 0
     dims: list = dataclasses.field(default_factory=list)
     casts: int = 0
@@ -74,6 +75,8 @@ def accounts_at(model, calls, amp):
         entry.flops += work.flops
         entry.dims = list(work.dims)
         fp8 = is_float8(policies.get(id(layer)))
+        if id(layer) in policies:
+            entry.variables = keras.backend.standardize_dtype(policies[id(layer)].variable_dtype)
         if fp8:
             entry.matmul = "float8"
         # A tensor no layer returned was made by its caller's own arithmetic

@@ -161,6 +161,7 @@ def _cpu_matmul_dtype(account):
     layer = account.layer
     if (
         account.dtype in ("float16", "bfloat16")
+        and account.variables == "float32"
         and not getattr(layer, "autocast", True)
         and not cpu_rates.tables_in_half(account.dtype)
     ):
