@@ -152,8 +152,12 @@ def _table_and_head(chunked_loss, seed, model_class=keras.Model, lora=False, **c
 
 
 @pytest.mark.one_backend
-def test_gemma2_soft_capped_follows_the_plain_loss():
-    """Gemma 2's final soft-cap (`ReversibleEmbedding.logit_soft_cap`)."""
+@pytest.mark.parametrize("table", ["half", "float32"])
+def test_gemma2_soft_capped_follows_the_plain_loss(table, monkeypatch):
+    """Gemma 2's final soft-cap (`ReversibleEmbedding.logit_soft_cap`), its
+    table read in half or, as on a CPU without native bfloat16, in float32
+    (`KERAS_MP_TIED_HEAD`): the chunks follow the head either way."""
+    monkeypatch.setenv("KERAS_MP_TIED_HEAD", table)
 
     def gemma(chunked_loss, weights=None):
         backbone = keras_hub.models.GemmaBackbone(

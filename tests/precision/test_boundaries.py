@@ -357,6 +357,14 @@ def test_a_tied_head_reads_its_table_as_the_device_multiplies(form, monkeypatch)
         if keras.backend.backend() != "jax":
             expected = np.asarray(keras_reference.predict(x, verbose=0), "float32")
             np.testing.assert_array_equal(model.predict(x, verbose=0), expected)
+        # A table the layer casts itself (`reverse_dtype`) is said as it is.
+        own = _tied_language_model()
+        own.get_layer("token_embedding").reverse_dtype = "bfloat16"
+        own.compile("adam", "sparse_categorical_crossentropy", amp_level="O2", amp_dtype="bfloat16")
+        (row,) = [
+            r for r in keras_mp.precision_summary(own).rows if r["layer"] == "token_embedding"
+        ]
+        assert "read in float32" not in row["rule"], row
         # O3's table is bfloat16 itself: read as stored, and said so.
         half_table = _tied_language_model()
         half_table.compile(
@@ -371,3 +379,13 @@ def test_a_tied_head_reads_its_table_as_the_device_multiplies(form, monkeypatch)
     else:
         assert "read in float32" not in head["rule"], head
         assert census.half_share == 1.0, census
+
+
+def test_a_bad_tied_head_form_is_refused_before_anything_changes(monkeypatch):
+    monkeypatch.setenv("KERAS_MP_TIED_HEAD", "bf16")
+    model = _tied_language_model()
+    optimizer = keras.optimizers.Adam()
+    with pytest.raises(ValueError, match="KERAS_MP_TIED_HEAD must be one of .*Received: 'bf16'"):
+        model.compile(optimizer, "sparse_categorical_crossentropy", amp_level="O2")
+    assert model.get_layer("token_embedding").dtype_policy.name == "float32"
+    assert not model.compiled

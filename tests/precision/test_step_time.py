@@ -103,3 +103,32 @@ def test_the_batch_auto_predicts_for():
     )
     model(np.zeros((2, 6), "float32"))  # built on a batch of 2
     assert step_time.synthetic_batch(model)[0].shape == (32, 6)
+
+
+def test_a_tied_head_is_priced_as_the_target_cpu_multiplies_it(monkeypatch):
+    """A tied head's float32 table, read in float32 where the CPU priced has
+    no native bfloat16 (`cpu_rates.tables_in_half`), at float32's rate; with
+    native bfloat16, or `KERAS_MP_TIED_HEAD=half`, at bfloat16's."""
+    import dataclasses
+
+    monkeypatch.setenv("KERAS_MP_TIED_HEAD", "auto")
+    table = L.ReversibleEmbedding(32, 64)
+    tokens = keras.Input((4,), dtype="int32")
+    backbone = keras.Model(tokens, L.Dense(64)(table(tokens)))
+    model = keras.Model(tokens, table(backbone(tokens), reverse=True))
+    calls = speed_trace.trace(model, keras.KerasTensor((16, 4), "int32"))
+    accounts = step_cost.accounts_at(model, calls, amp_settings.for_layers("O2", "bfloat16"))
+    (head,) = [a.step_flops for a in accounts.values() if a.layer is table]
+    total = sum(a.step_flops for a in accounts.values())
+    assert head >= 2 * 2 * 16 * 4 * 64 * 32  # its forward and its table's gradient
+    plain = dataclasses.replace(CPU, native=())
+    seconds = {
+        peaks.native: step_time.step_time(model, accounts, peaks, "bfloat16").matmuls
+        for peaks in (CPU, plain)
+    }
+    assert seconds[("bfloat16",)] == pytest.approx(total / 4e11)
+    assert seconds[()] == pytest.approx(head / 1e11 + (total - head) / 4e11)
+    monkeypatch.setenv("KERAS_MP_TIED_HEAD", "half")
+    assert step_time.step_time(model, accounts, plain, "bfloat16").matmuls == pytest.approx(
+        total / 4e11
+    )

@@ -256,19 +256,28 @@ def tables_in_half(dtype):
     converts both operands to float32 to multiply (TensorFlow's oneDNN and
     PyTorch: a third to a fifth of float32's rate), so the table is read
     in float32 there, the largest matmul of a language model's step at
-    float32's rate, its logits the same float32 values Keras's
-    `mixed_bfloat16` computes. `KERAS_MP_TIED_HEAD` ("half", "float32")
+    float32's rate, its logits the float32 values Keras's TensorFlow and
+    PyTorch `mixed_bfloat16` compute (Keras's JAX reads the table in half
+    under the model's autocast scope). `KERAS_MP_TIED_HEAD` ("half", "float32")
     forces one form on every device (the tests pin "half").
     """
+    form = tied_head_form()
+    if form != "auto":
+        return form == "half"
+    return not half_matmuls_converted(dtype)
+
+
+def tied_head_form():
+    """`KERAS_MP_TIED_HEAD`'s form: "auto" (unset), "half" or "float32";
+    any other value is an error naming the variable (`apply_amp` checks it
+    before it changes anything)."""
     form = os.environ.get(TIED_HEAD_ENV, "auto").strip().lower() or "auto"
     if form not in TIED_HEAD_FORMS:
         raise ValueError(
             f"The environment variable {TIED_HEAD_ENV} must be one of "
             f"{', '.join(repr(f) for f in TIED_HEAD_FORMS)}. Received: {form!r}"
         )
-    if form != "auto":
-        return form == "half"
-    return not half_matmuls_converted(dtype)
+    return form
 
 
 def half_matmuls_converted(dtype):

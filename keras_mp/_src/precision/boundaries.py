@@ -55,6 +55,8 @@ def reads_weights_in_float32(layer):
         return None
     if keras.backend.standardize_dtype(layer.variable_dtype) != "float32":
         return None  # O3's half table: read as stored, in half
+    if getattr(layer, "reverse_dtype", None) is not None:
+        return None  # the layer casts its table itself
     return None if cpu_rates.tables_in_half(casts[0]) else casts[0]
 
 

@@ -39,6 +39,7 @@ from keras import ops
 from keras_mp._src import backends
 from keras_mp._src import keras_internals
 from keras_mp._src.backends import cpu_rates
+from keras_mp._src.precision import boundaries
 
 # Logits a chunk may hold (float32 elements): 128 MiB a chunk, whatever the
 # vocabulary: a GEMM wide enough to run at the machine's rate, and few
@@ -57,6 +58,9 @@ class TokenHead:
         transposed: the kernel is `[vocabulary, hidden]` (an embedding's
             table, read in reverse), else `[hidden, vocabulary]` (a Dense).
         compute_dtype: the dtype of the head's matmul.
+        input_dtype: the dtype the hidden states are rounded to first, where
+            not `compute_dtype` (a half head reading its float32 table as
+            stored: `boundaries.reads_weights_in_float32`); "" otherwise.
         soft_cap: `tanh(z / cap) * cap` after the matmul, or None.
         bias: whether the weights end with a bias.
     """
@@ -65,6 +69,7 @@ class TokenHead:
     compute_dtype: str
     soft_cap: object = None
     bias: bool = False
+    input_dtype: str = ""
 
     def vocabulary(self, kernel):
         return kernel.shape[0] if self.transposed else kernel.shape[1]
@@ -87,6 +92,11 @@ def head_spec(layer):
         # `reverse_dtype`: the hidden states and the table (tied or not)
         # cast to it before the reverse matmul.
         reverse = keras.backend.standardize_dtype(layer.reverse_dtype or compute)
+        half = boundaries.reads_weights_in_float32(layer)
+        if half is not None:
+            # Its half inputs times its float32 table, as the head computes
+            # them on this device (`cpu_rates.tables_in_half`).
+            return TokenHead(layer.tie_weights, "float32", layer.logit_soft_cap, input_dtype=half)
         return TokenHead(layer.tie_weights, reverse, layer.logit_soft_cap)
     return None
 
@@ -143,8 +153,15 @@ def _gemm(head, equation, a, b, rounded):
     return rounded(ops.cast(z, head.compute_dtype))
 
 
+def _hidden(head, hidden):
+    """The hidden states as the head's matmul reads them."""
+    if head.input_dtype:
+        hidden = ops.cast(hidden, head.input_dtype)
+    return ops.cast(hidden, head.compute_dtype)
+
+
 def _raw_logits(head, hidden, ready, rounded):
-    h = ops.cast(hidden, head.compute_dtype)
+    h = _hidden(head, hidden)
     z = _gemm(head, "cd,vd->cv" if head.transposed else "cd,dv->cv", h, ready[0], rounded)
     return rounded(z + ready[1]) if head.bias else z
 
@@ -217,7 +234,7 @@ def _through_head(head, hidden, dz, ready, matmul32):
     up across chunks in float32 and the hidden states' round once."""
     dz_half = ops.cast(dz, head.compute_dtype)
     gemm = gemm_dtype(head.compute_dtype)
-    h = ops.cast(ops.cast(hidden, head.compute_dtype), gemm)
+    h = ops.cast(_hidden(head, hidden), gemm)
     dz_gemm = ops.cast(dz_half, gemm)
     if head.transposed:
         dh = matmul32("cv,vd->cd", dz_gemm, ready[0])

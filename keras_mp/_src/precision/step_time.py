@@ -140,7 +140,7 @@ def step_time(model, accounts, peaks, dtype, slots=2):
         )
     return StepTime(
         matmuls=sum(
-            a.step_flops / peaks.matmul_rate(_cpu_matmul_dtype(a))
+            a.step_flops / peaks.matmul_rate(_cpu_matmul_dtype(a, peaks))
             for a in accounts.values()
             if a.flops
         ),
@@ -152,10 +152,11 @@ def step_time(model, accounts, peaks, dtype, slots=2):
     )
 
 
-def _cpu_matmul_dtype(account):
-    """The dtype this CPU multiplies a layer's matmul in: a tied head's table
-    is read in float32 where half is converted to float32 to multiply
-    (`cpu_rates.tables_in_half`, `boundaries.py`)."""
+def _cpu_matmul_dtype(account, peaks):
+    """The dtype a CPU multiplies a layer's matmul in: a tied head's float32
+    table is read in float32 where that CPU has no native instructions for
+    the half dtype (`cpu_rates.tables_in_half`, `boundaries.py`), or where
+    `KERAS_MP_TIED_HEAD` says so."""
     if account.matmul:
         return account.matmul
     layer = account.layer
@@ -163,9 +164,11 @@ def _cpu_matmul_dtype(account):
         account.dtype in ("float16", "bfloat16")
         and account.variables == "float32"
         and not getattr(layer, "autocast", True)
-        and not cpu_rates.tables_in_half(account.dtype)
+        and getattr(layer, "reverse_dtype", None) is None
     ):
-        return "float32"
+        form = cpu_rates.tied_head_form()
+        in_half = peaks.native_half(account.dtype) if form == "auto" else form == "half"
+        return account.dtype if in_half else "float32"
     return account.dtype
 
 
