@@ -7,6 +7,7 @@ import keras
 import numpy as np
 import pytest
 
+from keras_mp._src.precision import lm_head
 from keras_mp._src.precision import lm_loss
 
 pytestmark = pytest.mark.skipif(keras.backend.backend() != "jax", reason="JAX's loop")
@@ -21,7 +22,7 @@ def test_the_gradients_program_holds_one_chunks_logits(reduction):
 
     from keras_mp._src.backends import hlo_text
 
-    head = lm_loss.TokenHead(False, "bfloat16")
+    head = lm_head.TokenHead(False, "bfloat16")
     rng = np.random.default_rng(0)
     hidden = rng.normal(size=(TOKENS, HIDDEN)).astype("float32")
     kernel = rng.normal(size=(HIDDEN, VOCABULARY)).astype("float32")

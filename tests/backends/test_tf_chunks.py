@@ -7,6 +7,7 @@ import keras
 import numpy as np
 import pytest
 
+from keras_mp._src.precision import lm_head
 from keras_mp._src.precision import lm_loss
 
 pytestmark = pytest.mark.skipif(keras.backend.backend() != "tensorflow", reason="TensorFlow's loop")
@@ -18,7 +19,7 @@ TOKENS, HIDDEN, VOCABULARY, CHUNK = 21, 4, 50, 8
 def test_jit_compile_gives_the_same_loss_and_gradients(reduction):
     import tensorflow as tf
 
-    head = lm_loss.TokenHead(True, "float32", soft_cap=2.0)
+    head = lm_head.TokenHead(True, "float32", soft_cap=2.0)
     rng = np.random.default_rng(0)
     hidden = tf.constant(rng.normal(size=(TOKENS, HIDDEN)), tf.float32)
     table = tf.constant(rng.normal(size=(VOCABULARY, HIDDEN)), tf.float32)

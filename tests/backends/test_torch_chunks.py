@@ -8,6 +8,7 @@ import keras
 import numpy as np
 import pytest
 
+from keras_mp._src.precision import lm_head
 from keras_mp._src.precision import lm_loss
 
 pytestmark = pytest.mark.skipif(keras.backend.backend() != "torch", reason="PyTorch's loop")
@@ -25,7 +26,7 @@ KEPT = {
 def test_the_backward_pass_keeps_no_logits(reduction):
     import torch
 
-    head = lm_loss.TokenHead(False, "bfloat16")
+    head = lm_head.TokenHead(False, "bfloat16")
     rng = np.random.default_rng(0)
     hidden = torch.tensor(rng.normal(size=(TOKENS, HIDDEN)), dtype=torch.float32)
     kernel = torch.tensor(rng.normal(size=(HIDDEN, VOCABULARY)), dtype=torch.float32)

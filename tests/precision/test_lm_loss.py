@@ -8,6 +8,7 @@ import numpy as np
 import pytest
 from keras import ops
 
+from keras_mp._src.precision import lm_head
 from keras_mp._src.precision import lm_loss
 from tests.steps import BACKEND
 from tests.steps import numpy
@@ -76,7 +77,7 @@ def test_the_loss_is_keras_loss_of_the_same_logits(dtype, make, reduction):
         from_logits=True, ignore_class=IGNORED, reduction=reduction
     )
     expected = numpy(keras_loss(LABELS, logits, sample_weight=WEIGHTS))
-    head, weights = lm_loss.head_of(layer)
+    head, weights = lm_head.head_of(layer)
     loss, losses, correct = lm_loss.sparse_cross_entropy(
         head,
         hidden,
@@ -125,7 +126,7 @@ def _plain(hidden, kernel, bias, labels=LABELS, dtype="bfloat16"):
 
 
 def _chunked(hidden, kernel, bias, labels=LABELS, dtype="bfloat16"):
-    head = lm_loss.TokenHead(False, dtype, bias=True)
+    head = lm_head.TokenHead(False, dtype, bias=True)
     return lm_loss.sparse_cross_entropy(
         head, hidden, (kernel, bias), labels, sample_weight=WEIGHTS, chunk=CHUNK
     )[0]
@@ -134,7 +135,7 @@ def _chunked(hidden, kernel, bias, labels=LABELS, dtype="bfloat16"):
 def _per_token(hidden, kernel, bias, labels=LABELS, dtype="bfloat16"):
     """The chunks' per-token losses (`reduction="none"`, their gradient
     computed again in the backward pass), reduced by Keras."""
-    head = lm_loss.TokenHead(False, dtype, bias=True)
+    head = lm_head.TokenHead(False, dtype, bias=True)
     losses = lm_loss.sparse_cross_entropy(
         head, hidden, (kernel, bias), labels, reduction="none", chunk=CHUNK
     )[0]
@@ -190,7 +191,7 @@ def test_tied_embeddings_get_the_gradient_of_both_uses():
             z = ops.matmul(hidden, ops.transpose(table))
             keras_loss = keras.losses.SparseCategoricalCrossentropy(from_logits=True)
             return keras_loss(LABELS, z, sample_weight=WEIGHTS)
-        head = lm_loss.TokenHead(True, "float32")
+        head = lm_head.TokenHead(True, "float32")
         return lm_loss.sparse_cross_entropy(
             head, hidden, (table,), LABELS, sample_weight=WEIGHTS, chunk=CHUNK
         )[0]
@@ -211,5 +212,5 @@ def test_a_reverse_dtype_is_the_chunks_matmul_dtype(tied):
         VOCABULARY, HIDDEN, tie_weights=tied, reverse_dtype="float32", dtype="mixed_bfloat16"
     )
     layer.build((None,))
-    head, _ = lm_loss.head_of(layer)
+    head, _ = lm_head.head_of(layer)
     assert head.compute_dtype == "float32"

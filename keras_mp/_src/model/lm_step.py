@@ -167,7 +167,7 @@ def _scoped_values(layer):
     scope = keras_internals.stateless_scope()
     if scope is None:
         return None
-    weights = lm_loss.head_of(layer)[1]
+    weights = lm_head.head_of(layer)[1]
     values = tuple(
         scope.get_current_value(w) if isinstance(w, keras.Variable) else w for w in weights
     )
@@ -229,7 +229,7 @@ class _Chunked:
     def _loss(self, y_true, y_pred, sample_weight=None):
         """The compiled loss of the hidden states `y_pred`, through the head."""
         ignore_class, reduction = lm_rule.sparse_from_logits(self.facts.loss)
-        head, weights = lm_loss.head_of(self.found.layer)
+        head, weights = lm_head.head_of(self.found.layer)
         weights = self._weights_of(y_pred) or weights
         mask = keras_internals.get_keras_mask(y_pred) if self.found.passes_mask else None
         value, _, correct = lm_loss.sparse_cross_entropy(

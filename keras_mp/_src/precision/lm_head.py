@@ -17,8 +17,8 @@ import weakref
 import keras
 
 from keras_mp._src import keras_internals
+from keras_mp._src.precision import boundaries
 from keras_mp._src.precision import layer_tree
-from keras_mp._src.precision import lm_loss
 
 
 @dataclasses.dataclass(frozen=True)
@@ -67,7 +67,7 @@ def _find(model):
     _, index, _, (args, kwargs) = made
     reverse = kwargs.get("reverse", args[1] if len(args) > 1 else False)
     reversed_embedding = isinstance(layer, keras.layers.ReversibleEmbedding)
-    if (reversed_embedding and not reverse) or lm_loss.head_spec(layer) is None:
+    if (reversed_embedding and not reverse) or head_spec(layer) is None:
         return Found(
             why=f"its output layer `{layer.name}` ({type(layer).__name__}) is not a linear "
             "Dense or a ReversibleEmbedding read in reverse"
@@ -83,3 +83,73 @@ def _find(model):
     except (ValueError, TypeError) as error:  # a graph Keras cannot cut there
         return Found(why=f"no model up to its head `{layer.name}` ({error})")
     return Found(layer, trunk, passes_mask=not reversed_embedding)
+
+
+# -- what the loss needs to know of a head ---------------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class TokenHead:
+    """What the loss needs to know of a head beside its weights.
+
+    Attributes:
+        transposed: the kernel is `[vocabulary, hidden]` (an embedding's
+            table, read in reverse), else `[hidden, vocabulary]` (a Dense).
+        compute_dtype: the dtype of the head's matmul.
+        input_dtype: the dtype the hidden states are rounded to first, where
+            not `compute_dtype` (a half head reading its float32 table as
+            stored: `boundaries.reads_weights_in_float32`); "" otherwise.
+        soft_cap: `tanh(z / cap) * cap` after the matmul, or None.
+        bias: whether the weights end with a bias.
+    """
+
+    transposed: bool
+    compute_dtype: str
+    soft_cap: object = None
+    bias: bool = False
+    input_dtype: str = ""
+
+    def vocabulary(self, kernel):
+        return kernel.shape[0] if self.transposed else kernel.shape[1]
+
+
+def head_spec(layer):
+    """The `TokenHead` of a head layer (a linear `Dense`, or a
+    `ReversibleEmbedding` read in reverse), or None for any other layer or
+    one whose matmul is not its plain kernel (quantized). Reads no weight
+    (a LoRA kernel is a matmul of variables a JAX step may hold no value
+    in)."""
+    if getattr(layer, "quantization_mode", None):
+        return None
+    compute = keras.backend.standardize_dtype(layer.compute_dtype)
+    if isinstance(layer, keras.layers.Dense):
+        if layer.activation not in (None, keras.activations.linear):
+            return None
+        return TokenHead(False, compute, None, layer.use_bias)
+    if isinstance(layer, keras.layers.ReversibleEmbedding):
+        # `reverse_dtype`: the hidden states and the table (tied or not)
+        # cast to it before the reverse matmul.
+        reverse = keras.backend.standardize_dtype(layer.reverse_dtype or compute)
+        half = boundaries.reads_weights_in_float32(layer)
+        if half is not None:
+            # Its half inputs times its float32 table, as the head computes
+            # them on this device (`cpu_rates.tables_in_half`).
+            return TokenHead(layer.tie_weights, "float32", layer.logit_soft_cap, input_dtype=half)
+        return TokenHead(layer.tie_weights, reverse, layer.logit_soft_cap)
+    return None
+
+
+def vocabulary_of(layer):
+    """A head layer's vocabulary, from its configuration (no weight read)."""
+    return layer.units if isinstance(layer, keras.layers.Dense) else layer.input_dim
+
+
+def head_of(layer):
+    """`(TokenHead, weights)` of a head layer (`head_spec`), its weights as
+    its matmul reads them (a LoRA kernel with its update), or None."""
+    head = head_spec(layer)
+    if head is None:
+        return None
+    if isinstance(layer, keras.layers.Dense):
+        return head, (layer.kernel,) + ((layer.bias,) if layer.use_bias else ())
+    return head, ((layer.embeddings,) if layer.tie_weights else (layer.reverse_embeddings,))

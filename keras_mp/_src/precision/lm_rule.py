@@ -12,6 +12,7 @@ import dataclasses
 
 import keras
 
+from keras_mp._src.precision import lm_head
 from keras_mp._src.precision import lm_loss
 
 # Logits (tokens x vocabulary) from which on the rule chunks the loss: at
@@ -52,7 +53,7 @@ class LossFacts:
 
     @property
     def vocabulary(self):
-        return lm_loss.vocabulary_of(self.found.layer)
+        return lm_head.vocabulary_of(self.found.layer)
 
     @property
     def chunk(self):
