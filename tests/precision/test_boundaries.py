@@ -387,5 +387,7 @@ def test_a_bad_tied_head_form_is_refused_before_anything_changes(monkeypatch):
     optimizer = keras.optimizers.Adam()
     with pytest.raises(ValueError, match="KERAS_MP_TIED_HEAD must be one of .*Received: 'bf16'"):
         model.compile(optimizer, "sparse_categorical_crossentropy", amp_level="O2")
+    with pytest.raises(ValueError, match="KERAS_MP_TIED_HEAD must be one of .*Received: 'bf16'"):
+        keras_mp.apply_amp(model, "O2", "bfloat16")
     assert model.get_layer("token_embedding").dtype_policy.name == "float32"
     assert not model.compiled

@@ -245,7 +245,7 @@ TIED_HEAD_ENV = "KERAS_MP_TIED_HEAD"
 TIED_HEAD_FORMS = ("auto", "half", "float32")
 
 
-def tables_in_half(dtype):
+def tables_in_half(dtype, native=None):
     """Whether a layer that does not autocast (a tied embedding read in
     reverse: a language model's logits) reads its float32 weights in the
     half `dtype` of its inputs to multiply them, or in float32 as Keras's
@@ -260,17 +260,21 @@ def tables_in_half(dtype):
     PyTorch `mixed_bfloat16` compute (Keras's JAX reads the table in half
     under the model's autocast scope). `KERAS_MP_TIED_HEAD` ("half", "float32")
     forces one form on every device (the tests pin "half").
+
+    `native`: whether the device in question multiplies `dtype` natively
+    (a CPU the speed report prices); None: this process's device.
     """
     form = tied_head_form()
     if form != "auto":
         return form == "half"
-    return not half_matmuls_converted(dtype)
+    return not half_matmuls_converted(dtype) if native is None else native
 
 
 def tied_head_form():
     """`KERAS_MP_TIED_HEAD`'s form: "auto" (unset), "half" or "float32";
-    any other value is an error naming the variable (`apply_amp` checks it
-    before it changes anything)."""
+    any other value is an error naming the variable (`amp_settings` checks
+    it with `apply_amp`'s and `compile`'s arguments, before anything
+    changes)."""
     form = os.environ.get(TIED_HEAD_ENV, "auto").strip().lower() or "auto"
     if form not in TIED_HEAD_FORMS:
         raise ValueError(

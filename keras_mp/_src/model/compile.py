@@ -16,7 +16,6 @@ import keras
 
 from keras_mp._src import backends
 from keras_mp._src import keras_internals
-from keras_mp._src.backends import cpu_rates
 from keras_mp._src.model import atomic_save
 from keras_mp._src.model import config_precision
 from keras_mp._src.model import lm_step
@@ -102,7 +101,6 @@ def _compile_with_amp(
         # statistics too.
         guard_train_step(self, guard=policies.is_amp_model(self))
         return result
-    cpu_rates.tied_head_form()  # a bad KERAS_MP_TIED_HEAD, before anything changes
     # `allow`/`deny`: those of the model's latest `apply_amp` unless given:
     # a layer the user denied there stays float32 under `compile`.
     allow, deny = policies.layer_lists(self)

@@ -14,6 +14,7 @@ import numbers
 import keras
 
 from keras_mp._src import keras_internals
+from keras_mp._src.backends import cpu_rates
 from keras_mp._src.optimizer import zero
 from keras_mp._src.optimizer.loss_scale import MAX_SCALE
 from keras_mp._src.optimizer.master_weights import COMPENSATED
@@ -176,6 +177,7 @@ def for_layers(
     level, dtype="float16", keep_batchnorm_fp32=None, allow=None, deny=None, float8_recipe=None
 ):
     """`apply_amp`'s settings: its arguments checked, named as it names them."""
+    cpu_rates.tied_head_form()  # and the environment's KERAS_MP_TIED_HEAD
     level = get_level(level)
     half, recipe = _float8(
         level,
@@ -211,6 +213,7 @@ def for_compile(
 ):
     """`compile(amp_level=...)`'s settings; `"auto"` is picked here, once,
     for `model` (its step predicted, with `loss` for the head rule)."""
+    cpu_rates.tied_head_form()  # and the environment's KERAS_MP_TIED_HEAD
     if amp_level != "auto":
         get_level(amp_level, "amp_level", also=("auto",))
     given_half = (

@@ -46,17 +46,30 @@ def casts_of(layer):
     return (getattr(layer, _ENTRY_DTYPE_ATTRIBUTE), getattr(layer, _OUTPUT_DTYPE_ATTRIBUTE))
 
 
+def reads_a_float32_table(layer, compute, variables):
+    """Whether `layer`, computing in `compute` with `variables` of that
+    dtype, is one whose float32 weights the device decides the read of
+    (`cpu_rates.tables_in_half`): it does not autocast (a tied embedding
+    read in reverse), computes in half, holds float32 weights (not O3's
+    half table) and casts none itself (no `reverse_dtype`)."""
+    return (
+        compute in _HALF
+        and variables == "float32"
+        and not getattr(layer, "autocast", True)
+        and getattr(layer, "reverse_dtype", None) is None
+    )
+
+
 def reads_weights_in_float32(layer):
     """The half dtype of the inputs a layer that does not autocast (a tied
     embedding read in reverse) multiplies by its weights read in float32 on
     this device (`cpu_rates.tables_in_half`), or None."""
     casts = casts_of(layer)
-    if casts is None or layer.autocast or casts[0] not in _HALF:
+    if casts is None:
         return None
-    if keras.backend.standardize_dtype(layer.variable_dtype) != "float32":
-        return None  # O3's half table: read as stored, in half
-    if getattr(layer, "reverse_dtype", None) is not None:
-        return None  # the layer casts its table itself
+    variables = keras.backend.standardize_dtype(layer.variable_dtype)
+    if not reads_a_float32_table(layer, casts[0], variables):
+        return None
     return None if cpu_rates.tables_in_half(casts[0]) else casts[0]
 
 

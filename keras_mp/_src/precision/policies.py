@@ -9,7 +9,6 @@ boundary casts (`boundaries.py`).
 
 import keras
 
-from keras_mp._src.backends import cpu_rates
 from keras_mp._src.precision import amp_settings
 from keras_mp._src.precision import boundaries
 from keras_mp._src.precision import float8
@@ -149,7 +148,6 @@ def apply(model, amp, set_before=None):
     """`apply_amp` with its settings resolved (`amp_settings.AmpSettings`).
     `set_before`: `{id(layer): (policy name, rule)}` an earlier `apply` set;
     a layer whose policy or rule changed since was set by hand, and keeps it."""
-    cpu_rates.tied_head_form()  # a bad KERAS_MP_TIED_HEAD, before anything changes
     if model.built or not layer_tree.is_subclassed(model):
         # A subclassed model's `build` may create the layers named: it is
         # applied again once built (`when_built`), and checked then.

@@ -31,6 +31,7 @@ import keras
 
 from keras_mp._src import keras_internals
 from keras_mp._src.backends import cpu_rates
+from keras_mp._src.precision import boundaries
 from keras_mp._src.precision import layer_tree
 from keras_mp._src.precision import step_cost
 
@@ -159,17 +160,11 @@ def _cpu_matmul_dtype(account, peaks):
     `KERAS_MP_TIED_HEAD` says so."""
     if account.matmul:
         return account.matmul
-    layer = account.layer
-    if (
-        account.dtype in ("float16", "bfloat16")
-        and account.variables == "float32"
-        and not getattr(layer, "autocast", True)
-        and getattr(layer, "reverse_dtype", None) is None
-    ):
-        form = cpu_rates.tied_head_form()
-        in_half = peaks.native_half(account.dtype) if form == "auto" else form == "half"
-        return account.dtype if in_half else "float32"
-    return account.dtype
+    half = account.dtype
+    if boundaries.reads_a_float32_table(account.layer, half, account.variables):
+        if not cpu_rates.tables_in_half(half, native=peaks.native_half(half)):
+            return "float32"
+    return half
 
 
 def predict(model, calls, reference, amp, peaks, slots=2, batch=""):
