@@ -149,3 +149,45 @@ def test_a_clone_whose_layers_differ_says_it_was_not_given_the_precision():
     with pytest.warns(UserWarning, match="clone_model rebuilt model .* not given back"):
         clone = keras.models.clone_model(model, clone_function=other_layers)
     assert {r[3] for r in precision(clone)} == {"Keras default"}
+
+
+@pytest.mark.one_backend
+def test_a_keras_hub_causal_lm_comes_back_from_its_config():
+    """A KerasHub task and its backbone write their configs without
+    `Model.get_config`, and the backbone's `from_config` passes its config to
+    the constructor, which builds the graph and then sets the model's
+    policy. `GPT2CausalLM.from_config(get_config())` of a model at O2 came
+    back entirely in float32 ("Keras default" on every layer, 5e-4 away),
+    silently; Keras's own `mixed_bfloat16` round-trips exactly."""
+    import keras_hub
+
+    keras.utils.set_random_seed(0)
+    backbone = keras_hub.models.GPT2Backbone(
+        vocabulary_size=61,
+        num_layers=1,
+        num_heads=2,
+        hidden_dim=8,
+        intermediate_dim=16,
+        max_sequence_length=16,
+    )
+    model = keras_hub.models.GPT2CausalLM(backbone, preprocessor=None)
+    keras_mp.apply_amp(model, "O2", dtype="bfloat16")
+    ids = np.random.default_rng(0).integers(1, 61, (2, 8)).astype("int32")
+    x = {"token_ids": ids, "padding_mask": np.ones((2, 8), bool)}
+    config = keras.saving.serialize_keras_object(model)
+    for road, rebuild in {
+        "from_config": lambda: type(model).from_config(model.get_config()),
+        "deserialize": lambda: keras.saving.deserialize_keras_object(config),
+    }.items():
+        with warnings.catch_warnings():
+            warnings.simplefilter("error", UserWarning)  # no record that does not fit
+            # Keras's, for a task's own `compile` (KerasHub's tasks have one).
+            warnings.filterwarnings("ignore", "`compile\\(\\)` was not called")
+            rebuilt = rebuild()
+        rebuilt.set_weights(model.get_weights())
+        try:
+            assert_computes_as(rebuilt, model, x)
+        except AssertionError as error:
+            raise AssertionError(f"{road}: {error}") from None
+    layers = rebuilt.backbone._flatten_layers()
+    assert not [l.name for l in layers if getattr(l.dtype_policy, "layers", None)]

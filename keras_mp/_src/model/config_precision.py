@@ -30,12 +30,15 @@ The rebuilt model is given it back, by position
 A record that does not fit the model rebuilt (a `clone_function` that
 changes its layers) is not applied, with a warning that says so. Files of
 earlier releases carry the record in their compile config only, which
-`saved_precision.py` still gives back. KerasHub's models write the `dtype`
-they were built under (`loadable_config`): theirs comes back through the
-compile config, at `load_model`.
+`saved_precision.py` still gives back. KerasHub's backbones and tasks
+write their configs without Keras's and rebuild through their own
+constructors: their `dtype` is the one they were built under
+(`loadable_config`), carrying the record, which the constructor gives
+back (`_written_for_its_constructor`).
 """
 
 import functools
+import inspect
 import warnings
 
 import keras
@@ -44,6 +47,7 @@ from keras_mp._src import keras_internals
 from keras_mp._src.model import saved_precision
 from keras_mp._src.precision import layer_policy
 from keras_mp._src.precision import layer_tree
+from keras_mp._src.precision import loadable_config
 from keras_mp._src.precision import policies
 from keras_mp._src.precision.loadable_config import AmpPolicy
 from keras_mp._src.precision.loadable_config import record_in
@@ -118,13 +122,13 @@ def give_back(model, record, road):
     )
 
 
-def _give_back_pending(layer):
+def _give_back_pending(layer, policy=None):
     """A built model's pending record: set by `give_back`, or in its policy
-    where a `from_config` of its own class passed the record to its
-    constructor."""
+    (`policy`, else the model's) where a `from_config` of its own class
+    passed the record to its constructor."""
     pending = layer.__dict__.pop(_PENDING, None)
     if pending is None:
-        policy = layer.dtype_policy
+        policy = layer.dtype_policy if policy is None else policy
         record = getattr(policy, "layers", None) if isinstance(policy, AmpPolicy) else None
         if not record or record[0].get("class") != type(layer).__name__:
             return  # none, or the model's own passed on to a sublayer
@@ -144,6 +148,25 @@ def _given_back_once_built(method):
     return and_precision_given_back
 
 
+def _given_back_once_its_graph_is_built(init):
+    # Keras's functional constructor, which drops the `dtype` it is given; a
+    # record in it (a KerasHub task's config) is given back once the graph
+    # is built.
+    @functools.wraps(init)
+    def init_and_precision_given_back(self, *args, **kwargs):
+        init(self, *args, **kwargs)
+        dtype = kwargs.get("dtype")
+        if isinstance(dtype, dict) and dtype.get("class_name") == AmpPolicy.__name__:
+            dtype = keras.dtype_policies.deserialize(dtype)
+        if isinstance(dtype, AmpPolicy) and dtype.layers:
+            _give_back_pending(self, dtype)
+
+    # As Keras reads it (`Model.from_config` compares its arguments).
+    init_and_precision_given_back.__signature__ = inspect.signature(init)
+    setattr(init_and_precision_given_back, _INSTALLED, True)
+    return init_and_precision_given_back
+
+
 def _reading_the_record(from_config):
     # Keras's `from_config`; the model is given back the precision its
     # config records.
@@ -157,6 +180,42 @@ def _reading_the_record(from_config):
 
     setattr(from_config_with_precision, _INSTALLED, True)
     return classmethod(from_config_with_precision)
+
+
+def _written_for_its_constructor(model, config, built_under):
+    """The config of a model that its own constructor builds (KerasHub's
+    backbones and tasks), with the record of its layers' precision in its
+    `dtype`, which that constructor takes: a task's config has none, and
+    its constructor passes `dtype` on to Keras's. The constructor gives it
+    back: Keras's functional one once it has built the graph
+    (`Functional.__init__`), or a backbone's where it sets the model's
+    policy after (`_given_back_when_set`)."""
+    record = record_of(model)
+    if record is None or not ("dtype" in config or _takes_a_dtype(type(model))):
+        return config
+    return with_record(config, record, built_under.name)
+
+
+def _takes_a_dtype(cls):
+    try:
+        parameters = inspect.signature(cls.__init__).parameters.values()
+    except (TypeError, ValueError):
+        return False
+    return any(p.name == "dtype" or p.kind is p.VAR_KEYWORD for p in parameters)
+
+
+def _given_back_when_set(dtype_policy):
+    # Keras's `Layer.dtype_policy`; a record set as the policy of a model
+    # already built is given back, as Keras quantizes a built layer whose
+    # policy is set to a quantized one.
+    def set_dtype_policy(self, value):
+        dtype_policy.fset(self, value)
+        policy = self.dtype_policy
+        if self.built and isinstance(policy, AmpPolicy) and policy.layers:
+            _give_back_pending(self)
+
+    setattr(set_dtype_policy, _INSTALLED, True)
+    return property(dtype_policy.fget, set_dtype_policy, doc=dtype_policy.__doc__)
 
 
 def _cloning_the_precision(clone):
@@ -190,6 +249,11 @@ def install():
     for cls in (keras.Model, keras.Sequential):
         _install(cls, "from_config", _reading_the_record, class_method=True)
     _install(keras.Model, "build_from_config", _given_back_once_built)
+    _install(Functional, "__init__", _given_back_once_its_graph_is_built)
     _install(Layer, keras_internals.POST_BUILD, _given_back_once_built)
     for name in keras_internals.CLONES:
         _install(keras_internals.cloning, name, _cloning_the_precision)
+    if not getattr(Layer.dtype_policy.fset, _INSTALLED, False):
+        Layer.dtype_policy = _given_back_when_set(Layer.dtype_policy)
+    if _written_for_its_constructor not in loadable_config._record_writers:
+        loadable_config._record_writers.append(_written_for_its_constructor)

@@ -120,6 +120,10 @@ def without_records(config):
 
 _LOADABLE_CONFIG_ATTRIBUTE = "_keras_mp_loadable_config"
 _BUILT_UNDER_ATTRIBUTE = "_keras_mp_built_under"
+# `(model, config, built_under) -> config`: the record of the model's layers' precision
+# written into a config its own constructor rebuilds from
+# (`model/config_precision.py` installs it).
+_record_writers = []
 
 
 def keep_config_loadable(layer):
@@ -193,8 +197,8 @@ def _keep_the_graph_it_was_built_with(model):
     whose `dtype` is the level's (`mixed_float16`) is float16's 5.65625: the
     loaded model predicted 4e-3 away from the saved one, with the same
     weights and the same policies. Its config therefore gives the dtype it
-    was built under; the load then restores each layer's precision
-    (`restore_precision`). A plain `keras.Model(inputs, outputs)` saves its
+    was built under, and carries the record of each layer's precision that
+    the model is given back once rebuilt (`model/config_precision.py`). A plain `keras.Model(inputs, outputs)` saves its
     ops with their dtypes, and Sequential has none: left as they are.
     """
     if type(model) in (keras_internals.Functional, keras.Sequential) or not model.built:
@@ -207,9 +211,13 @@ def _keep_the_graph_it_was_built_with(model):
     @functools.wraps(get_config)
     def get_config_built_under():
         config = get_config()
-        if isinstance(config, dict) and "dtype" in config:
-            built_under = model.__dict__[_BUILT_UNDER_ATTRIBUTE]
+        if not isinstance(config, dict):
+            return config
+        built_under = model.__dict__[_BUILT_UNDER_ATTRIBUTE]
+        if "dtype" in config:
             config = {**config, "dtype": keras.dtype_policies.serialize(built_under)}
+        for write in _record_writers:
+            config = write(model, config, built_under)
         return config
 
     object.__setattr__(model, "get_config", get_config_built_under)
