@@ -198,8 +198,9 @@ def _keep_the_graph_it_was_built_with(model):
     loaded model predicted 4e-3 away from the saved one, with the same
     weights and the same policies. Its config therefore gives the dtype it
     was built under, and carries the record of each layer's precision that
-    the model is given back once rebuilt (`model/config_precision.py`). A plain `keras.Model(inputs, outputs)` saves its
-    ops with their dtypes, and Sequential has none: left as they are.
+    the model is given back once rebuilt (`model/config_precision.py`). A
+    plain `keras.Model(inputs, outputs)` saves its ops with their dtypes,
+    and Sequential has none: left as they are.
     """
     if type(model) in (keras_internals.Functional, keras.Sequential) or not model.built:
         return
