@@ -94,3 +94,39 @@ def test_applying_amp_to_a_model_named_with_an_underscore_leaves_later_names_alo
     later = keras.layers.Dense(1, name="later")
     later.build((None, 3))
     assert later.kernel.path == "later/kernel"
+
+
+def _tied(one_graph):
+    """A tied language model: KerasHub's shape (a backbone, its table's
+    `reverse=True` on the backbone's output), or one graph calling the table
+    twice (its lookup, then its logits)."""
+    keras.utils.set_random_seed(0)
+    table = keras.layers.ReversibleEmbedding(32, 8, name="token_embedding")
+    tokens = keras.Input((6,), dtype="int32")
+    block = keras.layers.Dense(8, name="block")
+    if one_graph:
+        return keras.Model(tokens, table(block(table(tokens)), reverse=True))
+    backbone = keras.Model(tokens, block(table(tokens)))
+    return keras.Model(tokens, table(backbone(tokens), reverse=True))
+
+
+def test_a_layer_called_twice_is_an_output_where_its_last_call_is():
+    """A tied embedding's lookup feeds the model, its logits are the model's
+    output. The layer was taken for an intermediate output (a feature
+    extractor's, which the model casts itself), so its head got no entry
+    cast: it multiplied half inputs by its float32 table in float32, while
+    the summary said half; built as KerasHub builds it, the head took half."""
+    import keras_mp
+
+    x = np.random.default_rng(0).integers(0, 32, (4, 6)).astype("int32")
+    outputs, summaries = [], []
+    for one_graph in (True, False):
+        model = _tied(one_graph)
+        assert "token_embedding" in [layer.name for layer in layer_tree.output_layers(model)]
+        keras_mp.apply_amp(model, "O2", "bfloat16")
+        outputs.append(np.asarray(model.predict(x, verbose=0)))
+        rows = keras_mp.precision_summary(model).rows
+        summaries.append([r["rule"] for r in rows if r["layer"] == "token_embedding"])
+    assert outputs[0].dtype == "float32"
+    np.testing.assert_array_equal(outputs[0], outputs[1])
+    assert summaries[0] == summaries[1]

@@ -63,15 +63,34 @@ def output_operations(model):
     ]
 
 
-def consumed_operations(model):
-    """Ids of a functional model's operations whose outputs another of its
-    operations takes in (an intermediate output of a feature extractor)."""
+def consumed_outputs(model):
+    """Keys (`output_key`) of the tensors of a functional model that another
+    of its operations takes in (an intermediate output of a feature
+    extractor). Per tensor, not per layer: a tied embedding called twice
+    makes one tensor another layer takes in (its lookup) and one that no
+    layer does (its logits, the model's output)."""
     consumed = set()
     for nodes in (getattr(model, "_nodes_by_depth", None) or {}).values():
         for node in nodes:
-            for parent in node.parent_nodes:
-                consumed.add(id(parent.operation))
+            consumed.update(output_key(t) for t in node.input_tensors)
+    consumed.discard(None)
     return consumed
+
+
+def output_key(tensor):
+    """`(id of the operation, its call, which output)` of a Keras tensor a
+    layer or op made, or None."""
+    history = getattr(tensor, "_keras_history", None)
+    if history is None or history.operation is None:
+        return None
+    return id(history.operation), history.node_index, history.tensor_index
+
+
+def output_tensors(model):
+    """The Keras tensors a functional model returns, each made by one of its
+    operations; empty for a model that has none known (subclassed)."""
+    outputs = getattr(model, "_outputs", None) or ()
+    return [t for t in keras.tree.flatten(outputs) if output_key(t) is not None]
 
 
 def graph_outputs(model):

@@ -58,9 +58,10 @@ def intermediate_outputs(model):
     layers that make them."""
     if not isinstance(model, keras.Model) or isinstance(model, keras.Sequential):
         return False
-    consumed = keras_internals.consumed_operations(model)
+    consumed = keras_internals.consumed_outputs(model)
+    outputs = keras_internals.output_tensors(model)
     operations = keras_internals.output_operations(model)
-    return any(id(op) in consumed for op in operations) or any(
+    return any(keras_internals.output_key(t) in consumed for t in outputs) or any(
         is_graph(op) and intermediate_outputs(op) for op in operations if op is not model
     )
 
@@ -89,16 +90,20 @@ def output_layers(model):
     if isinstance(model, keras.Sequential):
         operations = model.layers[-1:]
     elif isinstance(model, keras.Model):
-        operations = keras_internals.output_operations(model)
+        # An output that other layers of the model take in (a feature
+        # extractor's, every layer an output) computes as its level says;
+        # the model casts it to float32 on the way out (`boundaries.py`).
+        consumed = keras_internals.consumed_outputs(model)
+        operations = [
+            keras_internals.made_by(t)[0]
+            for t in keras_internals.output_tensors(model)
+            if keras_internals.output_key(t) not in consumed
+        ]
     else:
         return ()
-    # An output that other layers of the model take in (a feature
-    # extractor's, every layer an output) computes as its level says; the
-    # model casts it to float32 on the way out (`boundaries.py`).
-    consumed = keras_internals.consumed_operations(model)
     layers = []
     for operation in operations:
-        if operation is model or id(operation) in consumed:
+        if operation is model:
             continue
         if isinstance(operation, keras.Model):
             layers.extend(output_layers(operation))

@@ -217,8 +217,8 @@ class _Walk:
             outputs = keras_internals.graph_outputs(model)
             if outputs is None:
                 return _Layers(model.layers), lambda output: False
-            consumed = keras_internals.consumed_operations(model)
-            return outputs, lambda output: id(_operation(output)) in consumed
+            consumed = keras_internals.consumed_outputs(model)
+            return outputs, lambda output: keras_internals.output_key(output) in consumed
         if not model.built:
             self.heads.deferred = True
             return None, None
