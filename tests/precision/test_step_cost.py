@@ -36,7 +36,7 @@ def test_a_big_matmul_is_bound_by_its_flops_a_small_one_by_its_bytes():
         (entry,) = [a for a in accounts.values() if a.layer.name == "d"]
         # `d` takes the model's inputs: its input gradient is never
         # computed (2 matmuls a step per forward one, not 3).
-        assert entry.passes == 2
+        assert entry.step_flops == 2 * entry.flops
         flops_s = 2 * entry.flops / peaks.matmul_rate("float16")
         bytes_s = entry.moved / peaks.bandwidth
         assert step_cost.layer_seconds(entry, peaks, tf32=True) == max(flops_s, bytes_s)
@@ -53,3 +53,18 @@ def test_the_output_layer_computes_in_half_and_returns_float32():
     inputs = 0  # `d`'s float16 outputs: no cast
     outputs = 8 * 8  # float16 -> float32
     assert out.cast_bytes == 2 * (weights + inputs + outputs) * (4 + 2)
+
+
+def test_a_tied_head_computes_its_inputs_gradient_though_its_lookup_is_first():
+    """The embedding takes the model's ids (a first layer: no input
+    gradient) and, reversed, the hidden states, whose gradient its logits'
+    backward computes: 3 matmuls a step per forward one, not 2."""
+    keras.utils.set_random_seed(0)
+    table = keras.layers.ReversibleEmbedding(32, 8, name="token_embedding")
+    tokens = keras.Input((6,), dtype="int32")
+    model = keras.Model(tokens, table(keras.layers.Dense(8)(table(tokens)), reverse=True))
+    calls = speed_trace.trace(model, np.zeros((4, 6), "int32"))
+    accounts = step_cost.accounts_at(model, calls, amp_settings.for_layers("O2", "bfloat16"))
+    (head,) = [a for a in accounts.values() if a.layer is table]
+    assert head.flops == 2 * 4 * 6 * 8 * 32
+    assert head.step_flops == 3 * head.flops

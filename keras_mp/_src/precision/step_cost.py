@@ -39,15 +39,12 @@ class Account:
     output_values: int = 0  # values its calls return (its elementwise work's size)
     moved: int = 0  # bytes its calls read and write, forward and backward
     kept: int = 0  # bytes of its outputs (and kernels' casts) kept for the backward pass
-    # Matmuls a step per forward one: the forward, its weights' gradient and
-    # its inputs' gradient; a first layer's inputs (the model's, which train
-    # nothing) get no gradient, so 2 there.
-    passes: int = 3
-
-    @property
-    def step_flops(self):
-        """Its matmul FLOPs in a train step, forward and backward."""
-        return self.passes * self.flops
+    # Its matmul FLOPs in a train step: per forward matmul, its weights'
+    # gradient and its inputs' gradient; a first layer's inputs (the
+    # model's, which train nothing) get no gradient, so 2 there. Per call: a
+    # tied embedding's lookup takes the model's ids, its logits the hidden
+    # states, whose gradient they compute.
+    step_flops: int = 0
 
 
 def accounts_at(model, calls, amp):
@@ -70,9 +67,10 @@ def accounts_at(model, calls, amp):
         layer = call.layer
         dtype = compute.get(id(layer), "float32")
         entry = accounts.setdefault(id(layer), Account(layer, dtype, reasons.get(id(layer), "")))
-        entry.passes = 2 if id(layer) in first else 3
         work = speed_trace.work(call)
+        raw = id(layer) in first and not any(t in produced for _, _, t in call.inputs)
         entry.flops += work.flops
+        entry.step_flops += (2 if raw else 3) * work.flops
         entry.dims = list(work.dims)
         fp8 = is_float8(policies.get(id(layer)))
         if id(layer) in policies:
