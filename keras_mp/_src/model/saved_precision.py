@@ -25,6 +25,7 @@ from keras_mp._src.precision import policies
 from keras_mp._src.precision import probabilities
 from keras_mp._src.precision import rules
 from keras_mp._src.precision.layer_kinds import matches
+from keras_mp._src.precision.loadable_config import keep_config_loadable
 from keras_mp._src.precision.loadable_config import mark_policies
 
 # The compile config's keys of the amp settings, and of each layer's record.
@@ -94,7 +95,14 @@ def restore_precision(model, record):
     decisions = []
     for layer, entry in zip(layers, record):
         policy = entry["policy"]
-        if rules.kept_reason(layer) is not None or policy == layer.dtype_policy.name:
+        if rules.kept_reason(layer) is not None:
+            policy = None
+        elif policy == layer.dtype_policy.name:
+            if "rule" in entry:
+                # Kept as its config rebuilt it, a policy keras_mp set all the
+                # same: a KerasHub model at O1 (the policy it was built under)
+                # must still write the record in its config.
+                keep_config_loadable(layer)
             policy = None
         elif "amax_history_length" in entry:
             policy = keras.dtype_policies.QuantizedFloat8DTypePolicy(
