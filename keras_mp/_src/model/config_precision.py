@@ -191,9 +191,34 @@ def _written_for_its_constructor(model, config, built_under):
     (`Functional.__init__`), or a backbone's where it sets the model's
     policy after (`_given_back_when_set`)."""
     record = record_of(model)
-    if record is None or not ("dtype" in config or _takes_a_dtype(type(model))):
+    if record is None:
+        return config
+    if not ("dtype" in config or _takes_a_dtype(type(model))):
+        _say_the_config_cannot_carry(model, record)
         return config
     return with_record(config, record, built_under.name)
+
+
+_TOLD = "_keras_mp_told_config_cannot_carry"
+
+
+def _say_the_config_cannot_carry(model, record):
+    # Once a model: its config is read at each save and clone.
+    if model.__dict__.get(_TOLD):
+        return
+    object.__setattr__(model, _TOLD, True)
+    name = type(model).__name__
+    warnings.warn(
+        f"keras_mp: the config of model {model.name!r} cannot carry the "
+        f"precision keras_mp set for its {len(record)} layers: "
+        f"`{name}.get_config` gives no `dtype` and `{name}.__init__` takes "
+        f"none. Rebuilt from this config alone (`from_config`, `clone_model`, "
+        f"`load_model` of a model not compiled with `amp_level`), it computes "
+        f"as its Keras configs say. Take `**kwargs` in `{name}.__init__` and "
+        f"pass them to `super().__init__`, or set the precision again on the "
+        f"model rebuilt (`keras_mp.apply_amp`).",
+        stacklevel=4,  # the caller of `get_config`
+    )
 
 
 def _takes_a_dtype(cls):
