@@ -68,3 +68,16 @@ def test_a_tied_head_computes_its_inputs_gradient_though_its_lookup_is_first():
     (head,) = [a for a in accounts.values() if a.layer is table]
     assert head.flops == 2 * 4 * 6 * 8 * 32
     assert head.step_flops == 3 * head.flops
+
+
+def test_a_first_layer_after_a_weightless_one_computes_no_input_gradient():
+    """A Flatten before the first Dense makes no features: its output is
+    still the model's input, whose gradient nothing computes (2 matmuls a
+    step per forward one, not 3)."""
+    model = keras.Sequential(
+        [keras.Input((2, 4)), keras.layers.Flatten(), keras.layers.Dense(4, name="d")]
+    )
+    calls = speed_trace.trace(model, np.zeros((2, 2, 4), "float32"))
+    accounts = step_cost.accounts_at(model, calls, amp_settings.for_layers("O2", "bfloat16"))
+    (entry,) = [a for a in accounts.values() if a.layer.name == "d"]
+    assert entry.step_flops == 2 * entry.flops

@@ -61,6 +61,9 @@ def accounts_at(model, calls, amp):
         id(layer) for layer in layer_tree.output_layers(model) if not layer_tree.is_container(layer)
     }
     produced = {}  # tensor id -> the dtype it has at `amp`
+    # Ids of tensors made from weighted features: a weightless layer's output
+    # on the model's inputs (a Flatten's, a Rescaling's) is still raw.
+    derived = set()
     accounts = {}
     first = float8.first_layers(model)
     for call in calls:
@@ -68,7 +71,10 @@ def accounts_at(model, calls, amp):
         dtype = compute.get(id(layer), "float32")
         entry = accounts.setdefault(id(layer), Account(layer, dtype, reasons.get(id(layer), "")))
         work = speed_trace.work(call)
-        raw = id(layer) in first and not any(t in produced for _, _, t in call.inputs)
+        from_features = any(t in derived for _, _, t in call.inputs)
+        raw = id(layer) in first and not from_features
+        if from_features or float8.weighs_inputs(layer):
+            derived.update(t for _, _, t in call.outputs)
         entry.flops += work.flops
         entry.step_flops += (2 if raw else 3) * work.flops
         entry.dims = list(work.dims)
