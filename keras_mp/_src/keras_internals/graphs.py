@@ -55,12 +55,7 @@ PROBABILITY_OPERATIONS = {
 def output_operations(model):
     """The operations (layers) that make a functional model's outputs; empty
     for a model that has none known (subclassed)."""
-    outputs = getattr(model, "_outputs", None) or ()
-    return [
-        t._keras_history.operation
-        for t in keras.tree.flatten(outputs)
-        if getattr(t, "_keras_history", None) is not None
-    ]
+    return [t._keras_history.operation for t in output_tensors(model)]
 
 
 def consumed_outputs(model):
